@@ -1,0 +1,58 @@
+"""The plugin's configuration: one validated dataclass, built from flags by ``args.from_args``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lossfix.reduction import REDUCTIONS, check_reduction
+
+__all__ = ["MODES", "LossFixConfig"]
+
+#: Every accepted ``--loss-reduction``: the plugin's modes, and ``off`` (stock Megatron).
+MODES: tuple[str, ...] = (*REDUCTIONS, "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossFixConfig:
+    """How the plugin normalizes the loss of one optimizer step."""
+
+    reduction: str = "token_mean"
+    """One of :data:`MODES`. ``off`` leaves Megatron's per-micro-batch mean in place (stock
+    behaviour, for comparisons)."""
+
+    norm_constant: float | None = None
+    """C of ``seq_mean_token_sum_norm`` (Dr. GRPO), e.g. the maximum response length; > 0."""
+
+    loss_mask_key: str = "loss_mask"
+    """Key of the ``[batch, seq]`` 0/1 loss mask in each micro-batch dict from the iterator."""
+
+    weights_key: str = "loss_weights"
+    """Key under which the plugin puts the float32 per-token weights into each micro-batch."""
+
+    data_is_cp_sharded: bool = False
+    """True when the data iterator already yields this rank's context-parallel shard of each
+    sequence; False (Megatron-LM's convention) when it yields whole sequences that
+    ``forward_step`` slices with ``get_batch_on_this_cp_rank`` (the weights are sliced along)."""
+
+    check_masks: bool = True
+    """Refuse masks holding values other than 0 and 1 (costs one device sync per step, before
+    the forward pass)."""
+
+    check_finite: bool = False
+    """Raise, naming the micro-batch, when a loss is NaN or Inf (a device sync per micro-batch:
+    for debugging runs, off by default)."""
+
+    def __post_init__(self) -> None:
+        if self.reduction not in MODES:
+            raise ValueError(f"unknown loss reduction {self.reduction!r}; choose one of {MODES}")
+        if self.reduction != "off":
+            check_reduction(self.reduction, self.norm_constant)
+        elif self.norm_constant is not None and not float(self.norm_constant) > 0:
+            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant!r}")
+        if self.loss_mask_key == self.weights_key:
+            raise ValueError("loss_mask_key and weights_key must differ")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the plugin changes the loss (any mode but ``off``)."""
+        return self.reduction != "off"

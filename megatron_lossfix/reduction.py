@@ -1,0 +1,258 @@
+"""Per-token loss weights for every reduction mode (DESIGN §2), from counts reduced once per step.
+
+A step's loss is ``L = sum_{s,t} w[s,t] * l[s,t]`` over the whole mini-batch. This module turns
+the step's loss masks into the weights ``w``: it counts loss tokens per sequence and per
+micro-batch, reduces the counts over the context-parallel group (a sequence is split over CP
+ranks) and the data-parallel group (sequences live on one DP rank), and divides.
+
+Collectives per call, whatever the data: one all-reduce over CP when ``cp_group`` has more than
+one rank and the masks are CP shards; one all-reduce over DP for the modes that need global
+counts (``token_mean``, ``sequence_mean``, ``seq_mean_token_sum_norm``) when ``dp_group`` has
+more than one rank. Nothing is reduced over TP (every TP rank sees the same tokens) or over the
+world group. Counts stay on the device: no host synchronization except the optional mask check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "REDUCTIONS",
+    "GLOBAL_COUNT_MODES",
+    "StepCounts",
+    "check_reduction",
+    "count_tokens",
+    "loss_weights",
+    "weights_from_counts",
+]
+
+REDUCTIONS: tuple[str, ...] = (
+    "token_mean",
+    "sequence_mean",
+    "seq_mean_token_sum_norm",
+    "sum",
+    "token_mean_legacy",
+)
+
+#: Modes whose weights depend on counts summed over data-parallel ranks.
+GLOBAL_COUNT_MODES: frozenset[str] = frozenset(
+    {"token_mean", "sequence_mean", "seq_mean_token_sum_norm"}
+)
+
+# Counts are reduced in float64: float32 is exact only up to 2**24 (16.7M) tokens per step.
+_COUNT_DTYPE = torch.float64
+
+
+@dataclass(frozen=True, slots=True)
+class StepCounts:
+    """Loss-token counts of one step, as seen by one rank (all on the masks' device)."""
+
+    num_tokens: torch.Tensor
+    """N: loss tokens in the whole mini-batch (0-dim; global when the DP group was given)."""
+    num_sequences: torch.Tensor
+    """S: sequences with at least one loss token in the whole mini-batch (0-dim)."""
+    seq_tokens: list[torch.Tensor]
+    """n_s for each local sequence, one ``[num_sequences_k]`` vector per micro-batch, summed
+    over CP shards."""
+    mb_tokens: torch.Tensor
+    """n_k: loss tokens of each local micro-batch over all CP shards, ``[M]``."""
+    dp_size: int
+    """D: data-parallel size (without context parallelism)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """M: this rank's micro-batch count."""
+        return len(self.seq_tokens)
+
+
+def check_reduction(reduction: str, norm_constant: float | None) -> None:
+    """Raise ``ValueError`` for an unknown mode or a bad ``norm_constant``."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+    if reduction == "seq_mean_token_sum_norm":
+        if norm_constant is None:
+            raise ValueError(
+                "reduction 'seq_mean_token_sum_norm' needs norm_constant (e.g. the maximum "
+                "response length); pass --loss-norm-constant"
+            )
+        if not (float(norm_constant) > 0.0):  # also rejects NaN
+            raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+
+
+def _check_masks(
+    loss_masks: Sequence[torch.Tensor], *, check_values: bool
+) -> list[torch.Tensor]:
+    """Validate masks and return them as float32; one device sync when checking values."""
+    if isinstance(loss_masks, torch.Tensor) or not isinstance(loss_masks, Sequence):
+        raise ValueError(
+            "loss_masks must be a list of per-micro-batch [batch, seq] tensors, got "
+            f"{type(loss_masks).__name__}"
+        )
+    if len(loss_masks) == 0:
+        raise ValueError("loss_masks is empty: a step needs at least one micro-batch")
+    device = None
+    masks = []
+    for k, mask in enumerate(loss_masks):
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(
+                f"loss mask of micro-batch {k} is a {type(mask).__name__}, not a Tensor"
+            )
+        if mask.dim() != 2:
+            raise ValueError(
+                f"loss mask of micro-batch {k} must be [batch, seq], got shape {tuple(mask.shape)}"
+            )
+        if mask.is_complex():
+            raise ValueError(f"loss mask of micro-batch {k} has unsupported dtype {mask.dtype}")
+        if device is None:
+            device = mask.device
+        elif mask.device != device:
+            raise ValueError(
+                f"loss masks live on different devices ({device} and {mask.device}, "
+                f"micro-batch {k})"
+            )
+        masks.append(mask.to(torch.float32))
+    if check_values:
+        bad = [
+            k
+            for k, (raw, mask) in enumerate(zip(loss_masks, masks, strict=True))
+            if raw.dtype != torch.bool and mask.numel() > 0
+        ]
+        if bad:
+            # One sync for all micro-batches: a fractional or negative "mask" would silently
+            # reweight tokens, so it is refused rather than used.
+            flags = torch.stack([((masks[k] != 0) & (masks[k] != 1)).any() for k in bad])
+            if bool(flags.any()):
+                k = bad[int(flags.nonzero()[0, 0])]
+                raise ValueError(
+                    f"loss mask of micro-batch {k} must hold only 0 and 1 (bool or 0/1 float); "
+                    "found other values (negative, fractional, NaN or > 1)"
+                )
+    return masks
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def count_tokens(
+    masks: Sequence[torch.Tensor],
+    *,
+    global_counts: bool = True,
+    dp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    segment_ids: Sequence[torch.Tensor | None] | None = None,
+    num_segments: Sequence[int | None] | None = None,
+) -> StepCounts:
+    """Count loss tokens per sequence, micro-batch and step, reduced over CP then DP.
+
+    ``masks`` are float32 ``[batch, seq]``. Sequences are the rows, unless ``segment_ids[k]``
+    (long, same shape as the mask) assigns each token to one of ``num_segments[k]`` packed
+    sequences. ``global_counts=False`` skips the DP all-reduce (modes that need no global N/S).
+    """
+    seq_local = []
+    for k, mask in enumerate(masks):
+        seg = None if segment_ids is None else segment_ids[k]
+        if seg is None:
+            seq_local.append(mask.sum(dim=1, dtype=_COUNT_DTYPE))
+        else:
+            counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
+            values = mask.reshape(-1).to(_COUNT_DTYPE)
+            seq_local.append(counts.index_add_(0, seg.reshape(-1), values))
+    sizes = [c.numel() for c in seq_local]
+    flat = torch.cat(seq_local)
+    if _group_size(cp_group) > 1:
+        # A sequence's tokens are spread over the CP ranks: n_s is their sum.
+        dist.all_reduce(flat, group=cp_group)
+    seq_tokens = list(torch.split(flat, sizes))
+    mb_tokens = torch.stack([c.sum() for c in seq_tokens])
+    # After the CP reduction every CP rank holds identical n_s, so N and S are summed over DP
+    # only: each sequence is counted once.
+    totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
+    if global_counts and _group_size(dp_group) > 1:
+        dist.all_reduce(totals, group=dp_group)
+    return StepCounts(
+        num_tokens=totals[0],
+        num_sequences=totals[1],
+        seq_tokens=seq_tokens,
+        mb_tokens=mb_tokens,
+        dp_size=_group_size(dp_group),
+    )
+
+
+def weights_from_counts(
+    masks: Sequence[torch.Tensor],
+    counts: StepCounts,
+    reduction: str,
+    *,
+    norm_constant: float | None = None,
+    segment_ids: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """Turn float32 masks and the step's counts into float32 per-token weights.
+
+    Denominators are clamped to 1 where the numerator is 0 anyway (empty sequences, zero-token
+    micro-batches, an all-zero mini-batch), so no weight is ever NaN or Inf.
+    """
+    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    if reduction == "sum":
+        return [m.clone() for m in masks]
+    if reduction == "token_mean":
+        inv = (one / counts.num_tokens.clamp(min=1)).to(torch.float32)
+        return [m * inv for m in masks]
+    if reduction == "seq_mean_token_sum_norm":
+        inv = (one / (counts.num_sequences.clamp(min=1) * float(norm_constant))).to(torch.float32)
+        return [m * inv for m in masks]
+    if reduction == "token_mean_legacy":
+        scale = float(counts.num_microbatches * counts.dp_size)
+        inv = (one / (counts.mb_tokens.clamp(min=1) * scale)).to(torch.float32)
+        return [m * inv[k] for k, m in enumerate(masks)]
+    if reduction == "sequence_mean":
+        out = []
+        for k, m in enumerate(masks):
+            denom = counts.seq_tokens[k].clamp(min=1) * counts.num_sequences.clamp(min=1)
+            inv_seq = (one / denom).to(torch.float32)
+            seg = None if segment_ids is None else segment_ids[k]
+            per_token = inv_seq[:, None] if seg is None else inv_seq[seg]
+            out.append(m * per_token)
+        return out
+    raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def loss_weights(
+    loss_masks: Sequence[torch.Tensor],
+    reduction: str,
+    *,
+    norm_constant: float | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """Per-token weights ``w`` for this rank's micro-batches, so that ``sum(w * loss)`` over the
+    whole mini-batch is the step's loss under ``reduction`` (DESIGN §2).
+
+    Args:
+        loss_masks: this rank's micro-batch masks, each ``[batch, seq]`` (bool or 0/1 float);
+            with ``cp_group``, this rank's context-parallel shard of each sequence.
+        reduction: one of :data:`REDUCTIONS`.
+        norm_constant: C of ``seq_mean_token_sum_norm`` (required there, > 0).
+        dp_group: data-parallel group (without CP); counts are summed over it.
+        cp_group: context-parallel group; per-sequence counts are summed over it.
+
+    Returns:
+        One float32 weight tensor per micro-batch, same shapes as the masks. With both groups
+        ``None`` nothing is communicated and the list is the whole mini-batch.
+
+    Raises:
+        ValueError: unknown mode, missing or non-positive ``norm_constant``, malformed masks.
+    """
+    check_reduction(reduction, norm_constant)
+    masks = _check_masks(loss_masks, check_values=True)
+    counts = count_tokens(
+        masks,
+        global_counts=reduction in GLOBAL_COUNT_MODES,
+        dp_group=dp_group,
+        cp_group=cp_group,
+    )
+    return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)

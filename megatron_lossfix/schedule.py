@@ -1,0 +1,390 @@
+"""A drop-in replacement for Megatron-Core's ``forward_backward_func`` that normalizes exactly.
+
+``LossFixSchedule(config)(forward_step_func=..., data_iterator=..., model=..., ...)`` takes the
+same keyword arguments as the function returned by ``get_forward_backward_func()``. Per step it:
+
+1. reads the step's micro-batches on the last pipeline stage (the loss stage) and counts loss
+   tokens and sequences with one all-reduce (``reduction.count_tokens``);
+2. puts per-token weights into every micro-batch dict (``batch[config.weights_key]``);
+3. runs Megatron's own schedule, wrapping each ``loss_func`` so that what Megatron receives,
+   after its internal averaging, yields exactly ``sum(w * loss)``:
+
+   ===========================  =============================  ==============================
+   Megatron path                 Megatron does                  the plugin hands it
+   ===========================  =============================  ==============================
+   calculate_per_token_loss=F    loss*cp/M, grads /(D*cp)       (sum(w*l) * M * D, report)
+   calculate_per_token_loss=T    grads / all-reduced num_tokens  (sum(w*l) * N, n_local, report)
+   ===========================  =============================  ==============================
+
+   With ``calculate_per_token_loss=True`` and ``token_mean``, Megatron's own deferred division
+   by the global token count already is the exact answer: no pre-pass (streaming data), the
+   weights are the mask, and ``(sum(m*l), n_local, report)`` goes through unchanged.
+
+User loss functions follow Tinker semantics: they return ``(sum(weights * per_token_loss),
+report)`` using the weights found in their micro-batch. Nothing inside the micro-batch loop
+synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.reduction import (
+    StepCounts,
+    _check_masks,
+    count_tokens,
+    weights_from_counts,
+)
+
+__all__ = ["LossFixSchedule", "StepGroups", "resolve_groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepGroups:
+    """The process groups the plugin needs, taken from Megatron's ``ProcessGroupCollection``."""
+
+    dp: dist.ProcessGroup | None
+    """Data-parallel group without context parallelism: sequence and token counts."""
+    cp: dist.ProcessGroup | None
+    """Context-parallel group: per-sequence counts of CP-sharded data."""
+    dp_cp: dist.ProcessGroup | None
+    """Data x context-parallel group: the step's reported loss."""
+    pp: dist.ProcessGroup | None
+    """Pipeline group: finding the last (loss) stage, sharing metrics with the other stages."""
+
+    @property
+    def dp_size(self) -> int:
+        return _size(self.dp)
+
+    @property
+    def cp_size(self) -> int:
+        return _size(self.cp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp is None or dist.get_rank(self.pp) == _size(self.pp) - 1
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def resolve_groups(pg_collection: Any = None) -> StepGroups:
+    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    def pick(name: str, fallback: Callable[[], Any]) -> Any:
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        return group if group is not None else fallback()
+
+    return StepGroups(
+        dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
+        cp=pick("cp", ps.get_context_parallel_group),
+        dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        pp=pick("pp", ps.get_pipeline_model_parallel_group),
+    )
+
+
+class _StepIterator:
+    """Yields one step's micro-batches with weights attached; remembers which came last.
+
+    ``source`` is either the step's pre-read micro-batches or, for streaming modes, the user's
+    iterator itself (read lazily, one micro-batch per forward step)."""
+
+    def __init__(self, source: Iterator, limit: int, attach: Callable[[Any, int], dict]):
+        self._source = source
+        self._limit = limit
+        self._attach = attach
+        self.index = -1
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        if self.index + 1 >= self._limit:
+            raise StopIteration
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            raise ValueError(
+                f"the data iterator ran out after {self.index + 1} micro-batches but "
+                f"num_microbatches={self._limit}"
+            ) from None
+        self.index += 1
+        return self._attach(batch, self.index)
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one step recorded on this rank, for metrics (tensors stay on device)."""
+
+    reduction: str
+    per_token: bool
+    counts: StepCounts | None = None
+    masks: list[torch.Tensor] = field(default_factory=list)
+    contributions: list[torch.Tensor] = field(default_factory=list)
+    local_tokens: list[torch.Tensor] = field(default_factory=list)
+    reports: list[Any] = field(default_factory=list)
+
+
+class LossFixSchedule:
+    """Megatron ``forward_backward_func`` with exact, layout-invariant loss normalization.
+
+    Loss functions return Megatron's documented 3-tuple with a plain weighted sum,
+    ``(sum(weights * per_token_loss), num_tokens, report)``, where ``weights`` is
+    ``batch[config.weights_key]`` and ``num_tokens`` the loss tokens this micro-batch holds on
+    this rank (:func:`megatron_lossfix.losses.weighted_loss` builds it). With
+    ``calculate_per_token_loss=False`` the 2-tuple ``(sum(weights * loss), report)`` works too.
+
+    Args:
+        config: the plugin configuration.
+        forward_backward_func: Megatron's schedule to wrap; by default
+            ``get_forward_backward_func()`` at call time (so it follows the PP/VPP layout).
+        pg_collection: process groups, used when the call passes none; else parallel_state.
+    """
+
+    def __init__(
+        self,
+        config: LossFixConfig,
+        forward_backward_func: Callable[..., Any] | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        self.config = config
+        self._inner = forward_backward_func
+        self._pg_collection = pg_collection
+        self.last_step: _StepState | None = None
+
+    # ------------------------------------------------------------------ the step
+    def __call__(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        **kwargs: Any,
+    ) -> list:
+        from megatron.core.utils import get_model_config
+
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
+            num_microbatches < 1
+        ):
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        cfg = self.config
+        chunks = model if isinstance(model, list) else [model]
+        per_token = bool(get_model_config(chunks[0]).calculate_per_token_loss)
+        if kwargs.get("pg_collection") is None and self._pg_collection is not None:
+            kwargs["pg_collection"] = self._pg_collection
+        groups = resolve_groups(kwargs.get("pg_collection"))
+        state = _StepState(reduction=cfg.reduction, per_token=per_token)
+        self.last_step = state
+        # Megatron's deferred per-token division is already exact for token_mean, and `off` is
+        # stock: both read the data lazily (streaming) and use the mask as the weights.
+        streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
+
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        wrapped_step = forward_step_func
+        if groups.is_last_stage:
+            # The loss is computed by the last model chunk of the last pipeline stage.
+            source = iterators[-1]
+            if source is None:
+                raise ValueError("the last pipeline stage needs a data iterator: it holds the loss")
+            if streaming:
+                attach = self._attach_mask_weights
+            else:
+                batches, attach = self._prepare_step(source, num_microbatches, groups)
+                source = iter(batches)
+            step_iter = _StepIterator(source, num_microbatches, attach)
+            iterators = [*iterators[:-1], step_iter]
+            wrapped_step = self._wrap_forward_step(
+                forward_step_func, step_iter, streaming, num_microbatches, groups
+            )
+
+        inner = self._inner
+        if inner is None:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            inner = get_forward_backward_func()
+        result = inner(
+            forward_step_func=wrapped_step,
+            data_iterator=iterators if isinstance(data_iterator, list) else iterators[0],
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+        if streaming and cfg.check_masks and state.masks:
+            # Streaming data is checked after the step (one sync), before any optimizer step.
+            _check_masks(state.masks, check_values=True)
+        return result
+
+    def _mask_of(self, batch: Any, k: int) -> torch.Tensor:
+        key = self.config.loss_mask_key
+        if not isinstance(batch, Mapping) or key not in batch:
+            raise ValueError(
+                f"micro-batch {k} must be a dict holding the loss mask under {key!r} "
+                f"(LossFixConfig.loss_mask_key); got {type(batch).__name__}"
+                + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else "")
+            )
+        return batch[key]
+
+    def _attach_mask_weights(self, batch: Any, k: int) -> dict:
+        mask = _check_masks([self._mask_of(batch, k)], check_values=False)[0]
+        self.last_step.masks.append(mask)
+        return {**batch, self.config.weights_key: mask}
+
+    def _prepare_step(
+        self, source: Iterator, num_microbatches: int, groups: StepGroups
+    ) -> tuple[list, Callable[[Any, int], dict]]:
+        """Pre-read the step, count tokens once; return the batches and how to attach weights."""
+        cfg = self.config
+        state = self.last_step
+        batches = []
+        for k in range(num_microbatches):
+            try:
+                batches.append(next(source))
+            except StopIteration:
+                raise ValueError(
+                    f"the data iterator ran out after {k} micro-batches but "
+                    f"num_microbatches={num_microbatches}"
+                ) from None
+        masks = _check_masks(
+            [self._mask_of(b, k) for k, b in enumerate(batches)], check_values=cfg.check_masks
+        )
+        state.masks = masks
+        state.counts = count_tokens(
+            masks, dp_group=groups.dp, cp_group=groups.cp if cfg.data_is_cp_sharded else None
+        )
+        weights = weights_from_counts(
+            masks, state.counts, cfg.reduction, norm_constant=cfg.norm_constant
+        )
+        return batches, lambda batch, k: {**batch, cfg.weights_key: weights[k]}
+
+    def _wrap_forward_step(
+        self,
+        forward_step_func: Callable,
+        step_iter: _StepIterator,
+        streaming: bool,
+        num_microbatches: int,
+        groups: StepGroups,
+    ) -> Callable:
+        state = self.last_step
+        if streaming:
+            scale = None
+        elif state.per_token:
+            # Megatron divides the summed gradient by the all-reduced num_tokens, which is N.
+            scale = state.counts.num_tokens.to(torch.float32)
+        else:
+            # The schedule multiplies by cp/M and DDP divides by D*cp: undo both.
+            scale = float(num_microbatches * groups.dp_size)
+        sizes = (num_microbatches, groups.dp_size, groups.cp_size)
+
+        def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
+            output, loss_func = forward_step_func(data_iterator, model, *args)
+            if data_iterator is not step_iter:
+                return output, loss_func  # another model chunk: Megatron never calls its loss
+            k = step_iter.index
+            if k < 0:
+                raise ValueError(
+                    "forward_step_func returned without reading its micro-batch from the data "
+                    "iterator on the loss stage"
+                )
+
+            def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
+                outputs = loss_func(output_tensor, *a, **kw)
+                if kw.get("non_loss_data"):
+                    return outputs
+                return self._convert(outputs, k, scale, streaming, sizes)
+
+            return output, loss
+
+        return forward_step
+
+    def _convert(
+        self,
+        outputs: Any,
+        k: int,
+        scale: torch.Tensor | float | None,
+        streaming: bool,
+        sizes: tuple[int, int, int],
+    ) -> tuple:
+        """Check one micro-batch's loss tuple and return what Megatron should receive."""
+        cfg = self.config
+        state = self.last_step
+        per_token = state.per_token
+        if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+            raise ValueError(
+                "loss_func must return (loss, num_tokens, report) or (loss, report); got "
+                + (f"a tuple of length {len(outputs)}" if isinstance(outputs, (tuple, list))
+                   else type(outputs).__name__)
+            )
+        loss, report = outputs[0], outputs[-1]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise ValueError(
+                f"loss_func must return a one-element loss tensor first, got "
+                f"{type(loss).__name__}{shape} (micro-batch {k})"
+            )
+        if len(outputs) == 2 and per_token:
+            raise ValueError(
+                "calculate_per_token_loss=True needs loss_func to return (loss, num_tokens, "
+                "report), the loss tokens of the micro-batch on this rank; got (loss, report). "
+                "Return a 3-tuple (megatron_lossfix.weighted_loss does), or set "
+                "calculate_per_token_loss=False."
+            )
+        if cfg.check_finite and not bool(torch.isfinite(loss).all()):
+            raise FloatingPointError(
+                f"loss of micro-batch {k} is not finite ({loss.item()}); check_finite is on"
+            )
+        num_tokens = outputs[1] if len(outputs) == 3 else None
+        state.contributions.append(self._contribution(loss, num_tokens, sizes))
+        if num_tokens is not None:
+            state.local_tokens.append(num_tokens.detach())
+        state.reports.append(report)
+        if streaming:
+            return tuple(outputs)  # Megatron's own semantics, untouched
+        if per_token:
+            return loss * scale, num_tokens, report
+        return loss * scale, report
+
+    def _contribution(
+        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, sizes: tuple[int, int, int]
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step's reported loss (summed over DP x CP later)."""
+        loss = loss.detach().reshape(())
+        if self.config.enabled or self.last_step.per_token:
+            return loss  # per-token `off` is divided by the global token count in the metrics
+        m, d, cp = sizes
+        if num_tokens is None:  # stock 2-tuple: loss * cp / M, grads / (D * cp)
+            return loss / (m * d)
+        return loss / torch.clamp(num_tokens, min=1) / (m * d * cp)
+
+    # ------------------------------------------------------------------ metrics
+    def step_metrics(self) -> dict[str, float]:
+        """The last step's global metrics, on every rank (collectives over DP x CP and PP).
+
+        ``loss`` is L of DESIGN §2 (with ``off``: the stock per-micro-batch mean Megatron
+        optimizes), ``num_tokens`` N and ``num_sequences`` S; report entries that are 0-dim
+        tensors named ``*_sum``, ``*_max`` or ``*_min`` are reduced that way over DP x CP.
+        """
+        from megatron_lossfix.metrics import reduce_step_metrics
+
+        return reduce_step_metrics(self.last_step, self.config, resolve_groups(self._pg_collection))
+
+    @contextlib.contextmanager
+    def reduction(self, reduction: str):
+        """Temporarily use another reduction (for comparisons inside one process)."""
+        old = self.config
+        from dataclasses import replace
+
+        self.config = replace(old, reduction=reduction)
+        try:
+            yield self
+        finally:
+            self.config = old

@@ -1,0 +1,30 @@
+"""Packaging for megatron_lossfix: exact, layout-invariant loss normalization for Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_lossfix",
+    version="0.1.0",
+    description=(
+        "Exact global loss normalization for Megatron-Core: the same gradient under any "
+        "micro-batch size and TP/PP/DP/CP/EP layout, for SFT and RL losses."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
+    package_data={"megatron_lossfix": ["data/*.jsonl"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.14,<0.17",
+    ],
+    extras_require={
+        # Test-only tools; the suite runs on CPU with gloo.
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "matplotlib>=3.8"],
+        # Transformer Engine needs CUDA; it is used when present, never required.
+        # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
+        "te": ["transformer_engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)
