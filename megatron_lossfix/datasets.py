@@ -1,0 +1,226 @@
+"""Byte-level data for the example scripts: JSONL records, masks, and layout-free global batches.
+
+A record is either ``{"prompt": str, "response": str}`` (loss only on the response) or
+``{"text": str}`` (loss on every byte); extra keys are ignored. Without a file, an embedded
+corpus of real English text is used (``data/default_corpus.jsonl``), whose records vary a lot
+in length, so sequences carry very different numbers of loss tokens: exactly the case where
+per-micro-batch averaging goes wrong.
+
+The global batch of an iteration depends only on the records, the iteration, the global batch
+size and the seed (DESIGN §3). Parallel layouts only change how it is cut: DP rank ``r`` takes
+the ``r``-th contiguous slice, and micro-batches are contiguous slices of that. So two runs
+with different TP/PP/DP/CP layouts or micro-batch sizes see the same sequences in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_SEQ_LENGTH",
+    "ByteTokenizer",
+    "encode_record",
+    "global_batch",
+    "load_records",
+    "microbatches",
+]
+
+DEFAULT_SEQ_LENGTH = 128
+
+# The embedded corpus, shipped as package data (setup.py: package_data "data/*.jsonl").
+_DEFAULT_CORPUS = "data/default_corpus.jsonl"
+
+
+class ByteTokenizer:
+    """Bytes as tokens: ids 0..255 are UTF-8 bytes, then three special tokens.
+
+    No vocabulary file and no merges, so any text round-trips and token counts are easy to
+    reason about in tests.
+    """
+
+    pad_id = 256
+    eos_id = 257
+    bos_id = 258
+    vocab_size = 259
+
+    def padded_vocab_size(self, multiple: int = 8) -> int:
+        """``vocab_size`` rounded up to ``multiple`` (Megatron splits the vocabulary over TP)."""
+        if multiple < 1:
+            raise ValueError(f"multiple must be a positive integer, got {multiple}")
+        return -(-self.vocab_size // multiple) * multiple
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``; no special tokens are added."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int] | Tensor) -> str:
+        """Text of the byte ids; special and out-of-range ids (padded vocab) are dropped."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def _record_kind(record: object) -> str | None:
+    """``"pair"``, ``"text"`` or ``None`` when the record is neither form."""
+    if not isinstance(record, dict):
+        return None
+    if "prompt" in record and "response" in record:
+        return "pair"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def _check_record(record: object, where: str) -> None:
+    kind = _record_kind(record)
+    if kind is None:
+        raise ValueError(
+            f'{where}: expected {{"prompt": str, "response": str}} or {{"text": str}}, '
+            f"got {record!r:.200}"
+        )
+    for key in ("prompt", "response") if kind == "pair" else ("text",):
+        if not isinstance(record[key], str):
+            raise ValueError(
+                f"{where}: field {key!r} must be a string, got {type(record[key]).__name__}"
+            )
+
+
+def load_records(path: str | None) -> list[dict]:
+    """Records of a JSONL file, or of the embedded default corpus when ``path`` is ``None``.
+
+    Blank lines are skipped. Malformed JSON, a record of neither form, a non-string field or a
+    file without records raise ``ValueError`` naming the file (and line).
+    """
+    if path is None:
+        name = f"megatron_lossfix/{_DEFAULT_CORPUS}"
+        text = resources.files("megatron_lossfix").joinpath(_DEFAULT_CORPUS).read_text("utf-8")
+    else:
+        name = str(path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{name}, line {lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: malformed JSON ({e.msg})") from e
+        _check_record(record, where)
+        records.append(record)
+    if not records:
+        raise ValueError(f"{name}: no records (the file is empty)")
+    return records
+
+
+def encode_record(record: dict, tokenizer: ByteTokenizer, seq_length: int) -> dict[str, Tensor]:
+    """One sample, set up for next-token prediction and cut or padded to ``seq_length``.
+
+    ``ids = [bos] + prompt + response + [eos]`` (or ``[bos] + text + [eos]``); ``tokens`` is
+    ``ids[:-1]`` and ``labels`` is ``ids[1:]``, so position ``t`` predicts ``labels[t]``. The
+    loss mask is 1 where the label is a response byte or the final eos (any byte or the eos for
+    text records), 0 on prompt labels and padding. Truncation drops the end, so a long prompt
+    can leave a sequence with no loss tokens at all; the reductions must handle that.
+    """
+    if seq_length < 1:
+        raise ValueError(f"seq_length must be a positive integer, got {seq_length}")
+    _check_record(record, "record")
+    if _record_kind(record) == "pair":
+        prompt = tokenizer.encode(record["prompt"])
+        target = tokenizer.encode(record["response"])
+    else:
+        prompt, target = [], tokenizer.encode(record["text"])
+
+    ids = [tokenizer.bos_id, *prompt, *target, tokenizer.eos_id]
+    # Label j is ids[j + 1]: the prompt bytes are labels 0..len(prompt)-1, the rest is target.
+    mask = [0.0] * len(prompt) + [1.0] * (len(target) + 1)
+    tokens, labels = ids[:-1][:seq_length], ids[1:][:seq_length]
+    mask = mask[:seq_length]
+    pad = seq_length - len(tokens)
+    return {
+        "tokens": torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64),
+        "labels": torch.tensor(labels + [tokenizer.pad_id] * pad, dtype=torch.int64),
+        "loss_mask": torch.tensor(mask + [0.0] * pad, dtype=torch.float32),
+        "position_ids": torch.arange(seq_length, dtype=torch.int64),
+    }
+
+
+def _epoch_permutation(num_records: int, seed: int, epoch: int) -> Tensor:
+    # One generator per (seed, epoch): any sample's position is computable without replaying
+    # earlier iterations, and no global RNG state (which layouts may consume) is touched.
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + epoch) % 2**64)
+    return torch.randperm(num_records, generator=generator)
+
+
+def global_batch(
+    records: Sequence[dict],
+    iteration: int,
+    *,
+    global_batch_size: int,
+    seq_length: int,
+    seed: int,
+    tokenizer: ByteTokenizer,
+) -> dict[str, Tensor]:
+    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``.
+
+    Samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
+    fresh seeded permutation each epoch. Every rank can build it and keep its own slice
+    (:func:`microbatches`); nothing here depends on the parallel layout.
+    """
+    if not records:
+        raise ValueError("records is empty")
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
+
+    n = len(records)
+    perms: dict[int, Tensor] = {}
+    samples = []
+    for k in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
+        epoch, pos = divmod(k, n)
+        if epoch not in perms:
+            perms[epoch] = _epoch_permutation(n, seed, epoch)
+        record = records[int(perms[epoch][pos])]
+        samples.append(encode_record(record, tokenizer, seq_length))
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def microbatches(
+    batch: dict[str, Tensor], *, dp_rank: int, dp_size: int, micro_batch_size: int
+) -> list[dict[str, Tensor]]:
+    """DP rank ``dp_rank``'s micro-batches: contiguous slices of its contiguous share of ``batch``.
+
+    Concatenating every rank's micro-batches in rank order gives back ``batch``.
+    """
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
+    sizes = {t.shape[0] for t in batch.values()}
+    if not sizes:
+        raise ValueError("batch has no tensors")
+    if len(sizes) != 1:
+        raise ValueError(f"batch tensors disagree on the batch dimension: {sorted(sizes)}")
+    (global_batch_size,) = sizes
+    step = dp_size * micro_batch_size
+    if global_batch_size % step:
+        raise ValueError(
+            f"global batch size {global_batch_size} is not divisible by data-parallel size "
+            f"{dp_size} x micro-batch size {micro_batch_size} = {step}; set --global-batch-size "
+            f"to a multiple of {step}, or change --micro-batch-size or the data-parallel size "
+            f"(world size / (TP x PP x CP))"
+        )
+    per_rank = global_batch_size // dp_size
+    start = dp_rank * per_rank
+    return [
+        {key: t[i : i + micro_batch_size] for key, t in batch.items()}
+        for i in range(start, start + per_rank, micro_batch_size)
+    ]
