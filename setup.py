@@ -26,5 +26,8 @@ setup(
         "te": ["transformer_engine[pytorch]"],
     },
     entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
-    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
 )
