@@ -11,7 +11,7 @@ from megatron_lossfix import REDUCTIONS, loss_weights
 
 
 def _loss(weights, losses):
-    return sum(float((w * l).sum()) for w, l in zip(weights, losses, strict=True))
+    return sum(float((w * x).sum()) for w, x in zip(weights, losses, strict=True))
 
 
 # Two micro-batches, four sequences with 2, 0, 1 and 3 loss tokens: N = 6, S = 3.
