@@ -1,0 +1,75 @@
+"""Command-line flags: ``add_lossfix_args`` adds them, ``from_args`` turns them into a config.
+
+Use as Megatron-LM's ``extra_args_provider``::
+
+    pretrain(..., extra_args_provider=add_lossfix_args)
+    lossfix_config = from_args(get_args())   # None when --loss-reduction was not given
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_lossfix.config import MODES, LossFixConfig
+
+__all__ = ["add_lossfix_args", "from_args"]
+
+
+def add_lossfix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags, in one group, to ``parser`` and return it."""
+    group = parser.add_argument_group(
+        "megatron_lossfix", "exact, layout-invariant loss normalization"
+    )
+    group.add_argument(
+        "--loss-reduction",
+        choices=MODES,
+        default=None,
+        help="how the step's loss is normalized: token_mean (every loss token equal), "
+        "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
+        "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
+        "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
+    )
+    group.add_argument(
+        "--loss-norm-constant",
+        type=float,
+        default=None,
+        help="C of seq_mean_token_sum_norm: the loss is sum over sequences of the token sum "
+        "divided by (number of sequences x C); e.g. the maximum response length. Must be > 0.",
+    )
+    group.add_argument(
+        "--lossfix-check-finite",
+        action="store_true",
+        help="raise, naming the micro-batch, when a loss is NaN or Inf (one device sync per "
+        "micro-batch: for debugging).",
+    )
+    group.add_argument(
+        "--lossfix-no-mask-check",
+        action="store_true",
+        help="skip the per-step check that loss masks hold only 0 and 1 (saves one device "
+        "sync per step).",
+    )
+    return parser
+
+
+def from_args(args: argparse.Namespace) -> LossFixConfig | None:
+    """The plugin config from parsed flags; ``None`` when ``--loss-reduction`` was not given.
+
+    Raises ``ValueError`` for combinations that would be silently ignored or wrong.
+    """
+    reduction = getattr(args, "loss_reduction", None)
+    norm_constant = getattr(args, "loss_norm_constant", None)
+    if reduction is None:
+        if norm_constant is not None:
+            raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
+        return None
+    if norm_constant is not None and reduction != "seq_mean_token_sum_norm":
+        raise ValueError(
+            f"--loss-norm-constant applies only to --loss-reduction seq_mean_token_sum_norm, "
+            f"not {reduction}; drop it or change the reduction"
+        )
+    return LossFixConfig(
+        reduction=reduction,
+        norm_constant=norm_constant,
+        check_masks=not getattr(args, "lossfix_no_mask_check", False),
+        check_finite=getattr(args, "lossfix_check_finite", False),
+    )
