@@ -43,10 +43,26 @@ def add_lossfix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "micro-batch: for debugging).",
     )
     group.add_argument(
-        "--lossfix-no-mask-check",
+        "--lossfix-no-validate",
         action="store_true",
-        help="skip the per-step check that loss masks hold only 0 and 1 (saves one device "
-        "sync per step).",
+        help="skip the per-step checks that loss masks hold only 0 and 1 and that all "
+        "data-parallel ranks use the same reduction (saves one device sync per step).",
+    )
+    group.add_argument(
+        "--lossfix-self-check",
+        action="store_true",
+        help="at the first training step, re-run the same data split into different "
+        "micro-batches and raise if the gradient changes (catches loss functions that "
+        "normalize twice or ignore the plugin's weights); costs one or two extra "
+        "forward/backward passes once. Needs --loss-reduction. Wire it with "
+        "megatron_lossfix.selfcheck.with_self_check(schedule, args).",
+    )
+    group.add_argument(
+        "--lossfix-self-check-tolerance",
+        type=float,
+        default=1e-5,
+        help="largest relative L2 gradient change --lossfix-self-check accepts (default 1e-5 "
+        "for fp32; use about 1e-2 with bf16/fp16 compute).",
     )
     return parser
 
@@ -70,6 +86,6 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     return LossFixConfig(
         reduction=reduction,
         norm_constant=norm_constant,
-        check_masks=not getattr(args, "lossfix_no_mask_check", False),
+        validate=not getattr(args, "lossfix_no_validate", False),
         check_finite=getattr(args, "lossfix_check_finite", False),
     )

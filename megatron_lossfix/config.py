@@ -29,14 +29,20 @@ class LossFixConfig:
     weights_key: str = "loss_weights"
     """Key under which the plugin puts the float32 per-token weights into each micro-batch."""
 
+    cu_seqlens_key: str = "cu_seqlens"
+    """Key of a packed micro-batch's cumulative sequence lengths (THD format, as in
+    ``PackedSeqParams.cu_seqlens_q``): a ``[1, T]`` mask holding several sequences, each
+    counted as its own sequence. Micro-batches without the key are one sequence per row."""
+
     data_is_cp_sharded: bool = False
     """True when the data iterator already yields this rank's context-parallel shard of each
     sequence; False (Megatron-LM's convention) when it yields whole sequences that
     ``forward_step`` slices with ``get_batch_on_this_cp_rank`` (the weights are sliced along)."""
 
-    check_masks: bool = True
-    """Refuse masks holding values other than 0 and 1 (costs one device sync per step, before
-    the forward pass)."""
+    validate: bool = True
+    """Refuse loss masks holding values other than 0 and 1, and ranks that disagree on the
+    reduction, on every rank at once (the checks ride on the step's one count all-reduce and
+    cost one device sync per step, before the forward pass)."""
 
     check_finite: bool = False
     """Raise, naming the micro-batch, when a loss is NaN or Inf (a device sync per micro-batch:

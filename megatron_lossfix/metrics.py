@@ -43,6 +43,8 @@ def _local_metrics(state: _StepState, config: LossFixConfig, groups: StepGroups)
             state.masks,
             dp_group=groups.dp,
             cp_group=groups.cp if config.data_is_cp_sharded else None,
+            segment_ids=[seg for seg, _ in state.segments],
+            num_segments=[num for _, num in state.segments],
         )
     stats = _scalar_stats(state.reports)
     sums = sorted(k for k in stats if k.endswith("_sum"))
@@ -61,8 +63,8 @@ def _local_metrics(state: _StepState, config: LossFixConfig, groups: StepGroups)
         "num_sequences": counts.num_sequences,
         **{k: sum_vec[1 + i] for i, k in enumerate(sums)},
     }
-    if not config.enabled and state.per_token:
-        # Stock per-token mode: Megatron divides the summed loss by the global token count.
+    if state.streaming and state.per_token:
+        # Megatron's per-token mode divides the summed loss by the global token count.
         out["loss"] = out["loss"] / counts.num_tokens.clamp(min=1)
     if maxes or mins:
         max_vec = torch.stack(

@@ -62,6 +62,8 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch over all CP shards, ``[M]``."""
     dp_size: int
     """D: data-parallel size (without context parallelism)."""
+    piggyback: torch.Tensor | None = None
+    """The caller's extra values, summed over DP in the same all-reduce (see count_tokens)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -83,10 +85,8 @@ def check_reduction(reduction: str, norm_constant: float | None) -> None:
             raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
 
 
-def _check_masks(
-    loss_masks: Sequence[torch.Tensor], *, check_values: bool
-) -> list[torch.Tensor]:
-    """Validate masks and return them as float32; one device sync when checking values."""
+def _float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Check the masks' structure (no device sync) and return them as float32."""
     if isinstance(loss_masks, torch.Tensor) or not isinstance(loss_masks, Sequence):
         raise ValueError(
             "loss_masks must be a list of per-micro-batch [batch, seq] tensors, got "
@@ -115,23 +115,34 @@ def _check_masks(
                 f"micro-batch {k})"
             )
         masks.append(mask.to(torch.float32))
-    if check_values:
-        bad = [
-            k
-            for k, (raw, mask) in enumerate(zip(loss_masks, masks, strict=True))
-            if raw.dtype != torch.bool and mask.numel() > 0
-        ]
-        if bad:
-            # One sync for all micro-batches: a fractional or negative "mask" would silently
-            # reweight tokens, so it is refused rather than used.
-            flags = torch.stack([((masks[k] != 0) & (masks[k] != 1)).any() for k in bad])
-            if bool(flags.any()):
-                k = bad[int(flags.nonzero()[0, 0])]
-                raise ValueError(
-                    f"loss mask of micro-batch {k} must hold only 0 and 1 (bool or 0/1 float); "
-                    "found other values (negative, fractional, NaN or > 1)"
-                )
     return masks
+
+
+def bad_mask_values(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per micro-batch, on the device: does the float32 mask hold anything but 0 and 1?
+
+    A fractional or negative "mask" would silently reweight tokens, so it is refused.
+    """
+    return torch.stack([((m != 0) & (m != 1)).any() for m in masks])
+
+
+def _check_masks(
+    loss_masks: Sequence[torch.Tensor], *, check_values: bool
+) -> list[torch.Tensor]:
+    """Validate masks and return them as float32; one device sync when checking values."""
+    masks = _float_masks(loss_masks)
+    if check_values:
+        bad = bad_mask_values(masks)
+        if bool(bad.any()):
+            raise ValueError(_bad_mask_message(int(bad.nonzero()[0, 0])))
+    return masks
+
+
+def _bad_mask_message(k: int) -> str:
+    return (
+        f"loss mask of micro-batch {k} must hold only 0 and 1 (bool or 0/1 float); "
+        "found other values (negative, fractional, NaN or > 1)"
+    )
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
@@ -146,12 +157,15 @@ def count_tokens(
     cp_group: dist.ProcessGroup | None = None,
     segment_ids: Sequence[torch.Tensor | None] | None = None,
     num_segments: Sequence[int | None] | None = None,
+    piggyback: torch.Tensor | None = None,
 ) -> StepCounts:
     """Count loss tokens per sequence, micro-batch and step, reduced over CP then DP.
 
     ``masks`` are float32 ``[batch, seq]``. Sequences are the rows, unless ``segment_ids[k]``
     (long, same shape as the mask) assigns each token to one of ``num_segments[k]`` packed
     sequences. ``global_counts=False`` skips the DP all-reduce (modes that need no global N/S).
+    ``piggyback`` (float64 vector) is summed over DP in the same all-reduce as N and S and
+    returned as ``StepCounts.piggyback``: the schedule's cross-rank checks cost no collective.
     """
     seq_local = []
     for k, mask in enumerate(masks):
@@ -172,6 +186,8 @@ def count_tokens(
     # After the CP reduction every CP rank holds identical n_s, so N and S are summed over DP
     # only: each sequence is counted once.
     totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
+    if piggyback is not None:
+        totals = torch.cat([totals, piggyback.to(device=totals.device, dtype=_COUNT_DTYPE)])
     if global_counts and _group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
     return StepCounts(
@@ -180,6 +196,7 @@ def count_tokens(
         seq_tokens=seq_tokens,
         mb_tokens=mb_tokens,
         dp_size=_group_size(dp_group),
+        piggyback=totals[2:],
     )
 
 

@@ -35,10 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.reduction import (
     StepCounts,
+    _bad_mask_message,
     _check_masks,
+    _float_masks,
+    bad_mask_values,
     count_tokens,
     weights_from_counts,
 )
@@ -74,6 +77,16 @@ class StepGroups:
 
 def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+class _ProblemOnAnotherRank(ValueError):
+    """Raised on every rank when some data-parallel rank's micro-batches failed validation."""
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def resolve_groups(pg_collection: Any = None) -> StepGroups:
@@ -127,8 +140,10 @@ class _StepState:
 
     reduction: str
     per_token: bool
+    streaming: bool
     counts: StepCounts | None = None
     masks: list[torch.Tensor] = field(default_factory=list)
+    segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
     contributions: list[torch.Tensor] = field(default_factory=list)
     local_tokens: list[torch.Tensor] = field(default_factory=list)
     reports: list[Any] = field(default_factory=list)
@@ -183,11 +198,11 @@ class LossFixSchedule:
         if kwargs.get("pg_collection") is None and self._pg_collection is not None:
             kwargs["pg_collection"] = self._pg_collection
         groups = resolve_groups(kwargs.get("pg_collection"))
-        state = _StepState(reduction=cfg.reduction, per_token=per_token)
-        self.last_step = state
         # Megatron's deferred per-token division is already exact for token_mean, and `off` is
         # stock: both read the data lazily (streaming) and use the mask as the weights.
         streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
+        state = _StepState(reduction=cfg.reduction, per_token=per_token, streaming=streaming)
+        self.last_step = state
 
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         wrapped_step = forward_step_func
@@ -197,9 +212,10 @@ class LossFixSchedule:
             if source is None:
                 raise ValueError("the last pipeline stage needs a data iterator: it holds the loss")
             if streaming:
+                self._agree(groups, per_token, problem=None)
                 attach = self._attach_mask_weights
             else:
-                batches, attach = self._prepare_step(source, num_microbatches, groups)
+                batches, attach = self._prepare_step(source, num_microbatches, groups, per_token)
                 source = iter(batches)
             step_iter = _StepIterator(source, num_microbatches, attach)
             iterators = [*iterators[:-1], step_iter]
@@ -219,10 +235,125 @@ class LossFixSchedule:
             num_microbatches=num_microbatches,
             **kwargs,
         )
-        if streaming and cfg.check_masks and state.masks:
+        if streaming and cfg.validate and state.masks:
             # Streaming data is checked after the step (one sync), before any optimizer step.
             _check_masks(state.masks, check_values=True)
         return result
+
+    # ------------------------------------------------------------------ the pre-pass
+    def _fingerprint(self, per_token: bool) -> float:
+        """A small integer that differs between any two (reduction, per-token) settings."""
+        return float(1 + 2 * MODES.index(self.config.reduction) + int(per_token))
+
+    def _agree(
+        self,
+        groups: StepGroups,
+        per_token: bool,
+        problem: torch.Tensor | None,
+        counts: Callable[[torch.Tensor], StepCounts] | None = None,
+    ) -> StepCounts | None:
+        """The step's one collective: counts (when given) plus cross-rank checks, summed over DP.
+
+        Every rank of the DP group contributes ``[fp, fp**2, problems]``; all fingerprints are
+        equal exactly when ``sum(fp)**2 == D * sum(fp**2)``, and a problem on any rank (a bad
+        mask, a short iterator) makes every rank raise instead of leaving the others hanging
+        in a collective. Costs one device sync when ``validate`` is on or a problem is local.
+        """
+        fp = self._fingerprint(per_token)
+        device = problem.device if problem is not None else _default_device()
+        local_problem = problem if problem is not None else torch.zeros((), device=device)
+        piggyback = torch.stack(
+            [
+                torch.tensor(fp, dtype=torch.float64, device=device),
+                torch.tensor(fp * fp, dtype=torch.float64, device=device),
+                local_problem.to(torch.float64),
+            ]
+        )
+        result = None
+        if counts is not None:
+            result = counts(piggyback)
+            reduced = result.piggyback
+        else:
+            # Same length as count_tokens' [N, S, *piggyback], so that even ranks that disagree
+            # on the mode (one counting, one streaming) meet in a well-formed collective.
+            reduced = torch.cat([piggyback.new_zeros(2), piggyback])
+            if groups.dp_size > 1:
+                dist.all_reduce(reduced, group=groups.dp)
+            reduced = reduced[2:]
+        if not (self.config.validate or problem is not None):
+            return result
+        fp_sum, fp_sq, problems = reduced.tolist()
+        if fp_sum * fp_sum != groups.dp_size * fp_sq:
+            raise ValueError(
+                "data-parallel ranks disagree on the loss reduction or calculate_per_token_loss "
+                f"(this rank: {self.config.reduction!r}, per-token={per_token}); give every "
+                "rank the same --loss-reduction"
+            )
+        if problems > 0:
+            raise _ProblemOnAnotherRank(
+                "a data-parallel rank found a problem with its micro-batches this step (see "
+                "that rank's error); every rank stops"
+            )
+        return result
+
+    def _prepare_step(
+        self, source: Iterator, num_microbatches: int, groups: StepGroups, per_token: bool
+    ) -> tuple[list, Callable[[Any, int], dict]]:
+        """Pre-read the step, count tokens once; return the batches and how to attach weights."""
+        cfg = self.config
+        state = self.last_step
+        error: ValueError | None = None
+        try:
+            batches = []
+            for k in range(num_microbatches):
+                try:
+                    batches.append(next(source))
+                except StopIteration:
+                    raise ValueError(
+                        f"the data iterator ran out after {k} micro-batches but "
+                        f"num_microbatches={num_microbatches}"
+                    ) from None
+            masks = _float_masks([self._mask_of(b, k) for k, b in enumerate(batches)])
+            segments = [self._segments_of(b, masks[k], k) for k, b in enumerate(batches)]
+        except ValueError as exc:
+            error = exc
+        if error is not None:
+            # Still take part in the step's collective, so the other ranks fail too, not hang.
+            try:
+                self._agree(groups, per_token, problem=torch.ones((), device=_default_device()))
+            except _ProblemOnAnotherRank:
+                pass
+            raise error
+        bad = bad_mask_values(masks) if cfg.validate else None
+        try:
+            counts = self._agree(
+                groups,
+                per_token,
+                problem=None if bad is None else bad.sum(),
+                counts=lambda piggyback: count_tokens(
+                    masks,
+                    dp_group=groups.dp,
+                    cp_group=groups.cp if cfg.data_is_cp_sharded else None,
+                    segment_ids=[seg for seg, _ in segments],
+                    num_segments=[num for _, num in segments],
+                    piggyback=piggyback,
+                ),
+            )
+        except _ProblemOnAnotherRank:
+            if bad is not None and bool(bad.any()):
+                raise ValueError(_bad_mask_message(int(bad.nonzero()[0, 0]))) from None
+            raise
+        state.masks = masks
+        state.segments = segments
+        state.counts = counts
+        weights = weights_from_counts(
+            masks,
+            counts,
+            cfg.reduction,
+            norm_constant=cfg.norm_constant,
+            segment_ids=[seg for seg, _ in segments],
+        )
+        return batches, lambda batch, k: {**batch, cfg.weights_key: weights[k]}
 
     def _mask_of(self, batch: Any, k: int) -> torch.Tensor:
         key = self.config.loss_mask_key
@@ -235,36 +366,40 @@ class LossFixSchedule:
         return batch[key]
 
     def _attach_mask_weights(self, batch: Any, k: int) -> dict:
-        mask = _check_masks([self._mask_of(batch, k)], check_values=False)[0]
+        mask = _float_masks([self._mask_of(batch, k)])[0]
         self.last_step.masks.append(mask)
+        self.last_step.segments.append(self._segments_of(batch, mask, k))
         return {**batch, self.config.weights_key: mask}
 
-    def _prepare_step(
-        self, source: Iterator, num_microbatches: int, groups: StepGroups
-    ) -> tuple[list, Callable[[Any, int], dict]]:
-        """Pre-read the step, count tokens once; return the batches and how to attach weights."""
-        cfg = self.config
-        state = self.last_step
-        batches = []
-        for k in range(num_microbatches):
-            try:
-                batches.append(next(source))
-            except StopIteration:
-                raise ValueError(
-                    f"the data iterator ran out after {k} micro-batches but "
-                    f"num_microbatches={num_microbatches}"
-                ) from None
-        masks = _check_masks(
-            [self._mask_of(b, k) for k, b in enumerate(batches)], check_values=cfg.check_masks
-        )
-        state.masks = masks
-        state.counts = count_tokens(
-            masks, dp_group=groups.dp, cp_group=groups.cp if cfg.data_is_cp_sharded else None
-        )
-        weights = weights_from_counts(
-            masks, state.counts, cfg.reduction, norm_constant=cfg.norm_constant
-        )
-        return batches, lambda batch, k: {**batch, cfg.weights_key: weights[k]}
+    def _segments_of(
+        self, batch: Mapping, mask: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """Packed (THD) micro-batch: each token's sequence index from ``cu_seqlens``."""
+        cu_seqlens = batch.get(self.config.cu_seqlens_key)
+        if cu_seqlens is None:
+            return None, None
+        if self.config.data_is_cp_sharded:
+            raise ValueError(
+                "packed sequences need whole sequences from the data iterator: slice them for "
+                "context parallelism in forward_step (data_is_cp_sharded=False)"
+            )
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or (
+            cu_seqlens.numel() < 2
+        ):
+            raise ValueError(
+                f"micro-batch {k}: {self.config.cu_seqlens_key!r} must be a 1-D tensor of "
+                "cumulative sequence lengths starting at 0"
+            )
+        if mask.shape[0] != 1:
+            raise ValueError(
+                f"micro-batch {k} is packed ({self.config.cu_seqlens_key!r} given) but its mask "
+                f"is {tuple(mask.shape)}; packed micro-batches are [1, total_tokens]"
+            )
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        boundaries = cu_seqlens.to(device=mask.device, dtype=torch.long)[1:].contiguous()
+        # Tokens past the last boundary (padding) land in one extra, normally empty, segment.
+        segment = torch.searchsorted(boundaries, positions, right=True)
+        return segment[None, :], cu_seqlens.numel()
 
     def _wrap_forward_step(
         self,
@@ -359,7 +494,7 @@ class LossFixSchedule:
         """This micro-batch's share of the step's reported loss (summed over DP x CP later)."""
         loss = loss.detach().reshape(())
         if self.config.enabled or self.last_step.per_token:
-            return loss  # per-token `off` is divided by the global token count in the metrics
+            return loss  # streaming per-token steps are divided by N in the metrics
         m, d, cp = sizes
         if num_tokens is None:  # stock 2-tuple: loss * cp / M, grads / (D * cp)
             return loss / (m * d)
