@@ -14,6 +14,7 @@ from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.testing.oracle import (
     OracleCase,
     layout_grads,
+    microbatch_plan,
     reference_grads,
     relative_error,
 )
@@ -40,24 +41,22 @@ MATRIX = [
 ]
 
 
-def _references(case: OracleCase, partitions: list[tuple[int, ...]]) -> dict:
+def _references(case: OracleCase, plans: list[tuple[tuple[int, ...], ...]]) -> dict:
     refs = {mode: reference_grads(case, mode) for mode in MODES if mode != "token_mean_legacy"}
-    for part in partitions:
-        refs[("token_mean_legacy", part)] = reference_grads(case, "token_mean_legacy", part)
+    for plan in plans:
+        refs[("token_mean_legacy", plan)] = reference_grads(case, "token_mean_legacy", plan)
     return refs
 
 
-def _partition(world: int, layout: Layout, m: int) -> tuple[int, ...]:
+def _plan(world: int, layout: Layout, m: int) -> tuple[tuple[int, ...], ...]:
     dp = world // (layout.tp * layout.pp * layout.cp)
-    per_rank = CASE.global_batch_size // dp
-    bounds = [round(i * per_rank / m) for i in range(m + 1)]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False)) * dp
+    return tuple(tuple(sizes) for sizes in microbatch_plan(CASE, dp, m))
 
 
 @pytest.fixture(scope="module")
 def references(dist_pool):
-    partitions = sorted({_partition(w, lay, m) for _, lay, w, m in MATRIX})
-    return dist_pool.run(_references, 1, CASE, partitions)[0]
+    plans = sorted({_plan(w, lay, m) for _, lay, w, m in MATRIX})
+    return dist_pool.run(_references, 1, CASE, plans)[0]
 
 
 @pytest.mark.parametrize("name, layout, world, m", MATRIX, ids=[row[0] for row in MATRIX])
@@ -65,7 +64,7 @@ def test_gradient_matches_reference(dist_pool, references, name, layout, world, 
     results = dist_pool.run(layout_grads, world, layout, CASE, MODES, m)[0]
     errors = {}
     for mode in MODES:
-        key = ("token_mean_legacy", _partition(world, layout, m)) if (
+        key = ("token_mean_legacy", _plan(world, layout, m)) if (
             mode == "token_mean_legacy"
         ) else mode
         errors[mode] = relative_error(results[mode]["grads"], references[key]["grads"])

@@ -3,9 +3,10 @@
 ``layout_grads`` runs inside every rank of a :class:`~megatron_lossfix.testing.pool.DistPool`
 call: it builds the tiny GPT for the layout, gives it the same global weights as any other
 layout, feeds this rank's share of one deterministic global batch through the plugin's schedule
-for each requested mode, and gathers the full gradient on global rank 0. ``reference_grads``
-computes, in one process, what every layout must reproduce: one forward and backward of the
-whole global batch as a single micro-batch, with the loss ``sum(w * l)`` and the weights of
+for each requested mode, and gathers the full gradient on global rank 0 (optionally also the
+parameters after one optimizer step with gradient clipping). ``reference_grads`` computes, in
+one process, what every layout must reproduce: one forward and backward of the whole global
+batch as a single micro-batch, with the loss ``sum(w * l)`` and the weights of
 ``loss_weights``. ``relative_error`` compares the two.
 """
 
@@ -20,11 +21,12 @@ import torch
 
 __all__ = [
     "OracleCase",
+    "check_layout",
     "layout_grads",
     "make_global_batch",
+    "microbatch_plan",
     "reference_grads",
     "relative_error",
-    "split_for_rank",
 ]
 
 
@@ -48,6 +50,20 @@ class OracleCase:
     """Extra ``LossFixConfig`` fields."""
     microbatch_counts: Sequence[int] | None = None
     """Per-DP-rank micro-batch counts (uneven); None: the same count on every rank."""
+    zero_sequences: Sequence[int] = ()
+    """Global indices of sequences whose loss mask is zeroed (empty micro-batches or ranks)."""
+    packed: bool = False
+    """Feed each micro-batch as one packed ``[1, b*s]`` row with ``cu_seqlens`` (THD);
+    needs ``no_attention`` so that packing mixes nothing across sequences."""
+    optimizer: str | None = None
+    """Also take one Megatron optimizer step ("adam") and return each weight's update."""
+    clip_grad: float = 0.0
+    """Gradient clipping norm of that step (0: none)."""
+    lr: float = 0.1
+    """Learning rate of that step."""
+    adam_eps: float = 1e-8
+    """Adam's epsilon; a huge one makes the first Adam step linear in the (clipped) gradient,
+    like SGD, which Megatron's optimizer factory refuses."""
 
 
 def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -60,8 +76,9 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
     prompt = torch.randint(0, s // 2, (b,), generator=gen)
     response = torch.randint(0, s, (b,), generator=gen)
     response[::7] = 0  # zero-token sequences
+    response[list(case.zero_sequences)] = 0
     pos = torch.arange(s)
-    mask = ((pos[None, :] >= prompt[:, None]) & (pos[None, :] < (prompt + response)[:, None]))
+    mask = (pos[None, :] >= prompt[:, None]) & (pos[None, :] < (prompt + response)[:, None])
     return {
         "tokens": tokens,
         "labels": labels,
@@ -70,26 +87,33 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
     }
 
 
-def split_for_rank(
-    batch: dict[str, torch.Tensor], dp_rank: int, counts: Sequence[int], sizes: Sequence[int]
-) -> list[dict[str, torch.Tensor]]:
-    """DP rank ``r`` takes the r-th contiguous slice (``sizes[r]`` sequences), cut into
-    ``counts[r]`` contiguous micro-batches (as even as possible)."""
-    start = sum(sizes[:dp_rank])
-    local = {k: v[start : start + sizes[dp_rank]] for k, v in batch.items()}
-    m = counts[dp_rank]
-    bounds = [round(i * sizes[dp_rank] / m) for i in range(m + 1)]
-    return [{k: v[bounds[i] : bounds[i + 1]] for k, v in local.items()} for i in range(m)]
-
-
-def _plan(case: OracleCase, dp: int, num_microbatches: int) -> tuple[list[int], list[int]]:
+def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:
+    """Micro-batch sizes of each DP rank: rank ``r`` takes the r-th contiguous slice of the
+    global batch, cut into contiguous micro-batches as even as possible."""
     counts = list(case.microbatch_counts or [num_microbatches] * dp)
     if len(counts) != dp:
         raise ValueError(f"microbatch_counts has {len(counts)} entries for DP={dp}")
-    sizes = [case.global_batch_size // dp] * dp
-    if sum(sizes) != case.global_batch_size:
+    if case.global_batch_size % dp:
         raise ValueError(f"global batch {case.global_batch_size} is not divisible by DP={dp}")
-    return counts, sizes
+    per_rank = case.global_batch_size // dp
+    plan = []
+    for m in counts:
+        bounds = [round(i * per_rank / m) for i in range(m + 1)]
+        plan.append([b - a for a, b in zip(bounds, bounds[1:], strict=False)])
+    return plan
+
+
+def _split(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict]:
+    parts = {k: torch.split(v, list(sizes)) for k, v in batch.items()}
+    return [{k: parts[k][i] for k in batch} for i in range(len(sizes))]
+
+
+def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back."""
+    b, s = mb["tokens"].shape
+    packed = {k: v.reshape(1, b * s) for k, v in mb.items()}
+    packed["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+    return packed
 
 
 def _forward_step(data_iterator: Any, model: Any) -> tuple:
@@ -98,65 +122,6 @@ def _forward_step(data_iterator: Any, model: Any) -> tuple:
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(weighted_loss, batch.get("loss_weights"))
-
-
-def layout_grads(
-    layout: Any, case: OracleCase, modes: Sequence[str], num_microbatches: int
-) -> dict[str, Any] | None:
-    """Run one step per mode under ``layout``; on global rank 0 return
-    ``{mode: {"grads": {name: grad}, "metrics": {...}}}`` (None on other ranks)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.testing.tiny_gpt import (
-        build_tiny_gpt,
-        gather_full_grads,
-        init_layout,
-        set_deterministic_params,
-    )
-
-    init_layout(layout)
-    chunks, config = build_tiny_gpt(
-        layout,
-        seq_len=case.seq_length,
-        calculate_per_token_loss=case.per_token,
-        **case.model_kwargs,
-    )
-    set_deterministic_params(chunks, case.seed)
-    dp = ps.get_data_parallel_world_size()
-    counts, sizes = _plan(case, dp, num_microbatches)
-    batch = make_global_batch(case, config.vocab_size)
-    mbs = split_for_rank(batch, ps.get_data_parallel_rank(), counts, sizes)
-    sharded = case.schedule_kwargs.get("data_is_cp_sharded", False)
-    if sharded:
-        mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
-    out: dict[str, Any] = {}
-    for mode in modes:
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        schedule = LossFixSchedule(
-            LossFixConfig(reduction=mode, norm_constant=case.norm_constant, **case.schedule_kwargs)
-        )
-        step = _forward_step
-        if not sharded and ps.get_context_parallel_world_size() > 1:
-            step = partial(_cp_slicing_forward_step, _forward_step)
-        iterators = [iter(mbs) for _ in chunks]
-        schedule(
-            forward_step_func=step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=counts[ps.get_data_parallel_rank()],
-            seq_length=case.seq_length,
-            micro_batch_size=max(1, sizes[0] // max(counts)),
-            forward_only=False,
-        )
-        grads = gather_full_grads(chunks)
-        metrics = schedule.step_metrics()
-        if grads is not None:
-            out[mode] = {"grads": grads, "metrics": metrics}
-    return out if torch.distributed.get_rank() == 0 else None
 
 
 def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tuple:
@@ -171,15 +136,111 @@ def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tupl
     return inner(_Sliced(), model)
 
 
+def _optimizer(case: OracleCase, chunks: list, distributed: bool) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer=case.optimizer,
+        lr=case.lr,
+        weight_decay=0.0,
+        clip_grad=case.clip_grad,
+        adam_eps=case.adam_eps,
+        use_distributed_optimizer=distributed,
+    )
+    return get_megatron_optimizer(config, chunks)
+
+
+def _optimizer_step(optimizer: Any, chunks: list, gather_full_params: Any) -> dict[str, Any]:
+    """Step and return the grad norm Megatron saw (before clipping) and each weight's update."""
+    before = gather_full_params(chunks)
+    _, grad_norm, _ = optimizer.step()
+    # The step aliases param.grad to the grad buffer; a later backward would add it twice.
+    optimizer.zero_grad()
+    after = gather_full_params(chunks)
+    if after is None:
+        return {}
+    return {"grad_norm": float(grad_norm), "update": {k: after[k] - before[k] for k in after}}
+
+
+def layout_grads(
+    layout: Any, case: OracleCase, modes: Sequence[str], num_microbatches: int
+) -> dict[str, Any] | None:
+    """Run one step per mode under ``layout``; on global rank 0 return
+    ``{mode: {"grads": {name: grad}, "metrics": {...}}}`` plus, with ``case.optimizer``, the
+    step's ``"grad_norm"`` and each weight's ``"update"`` (None on other ranks)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.testing.tiny_gpt import (
+        build_tiny_gpt,
+        gather_full_grads,
+        gather_full_params,
+        init_layout,
+        set_deterministic_params,
+    )
+
+    init_layout(layout)
+    chunks, config = build_tiny_gpt(
+        layout,
+        seq_len=case.seq_length,
+        calculate_per_token_loss=case.per_token,
+        **case.model_kwargs,
+    )
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    plan = microbatch_plan(case, dp, num_microbatches)
+    batch = make_global_batch(case, config.vocab_size)
+    start = sum(sum(sizes) for sizes in plan[:dp_rank])
+    local = {k: v[start : start + sum(plan[dp_rank])] for k, v in batch.items()}
+    mbs = _split(local, plan[dp_rank])
+    sharded = case.schedule_kwargs.get("data_is_cp_sharded", False)
+    if sharded:
+        mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+    if case.packed:
+        mbs = [_pack(mb) for mb in mbs]
+    step = _forward_step
+    if not sharded and ps.get_context_parallel_world_size() > 1:
+        step = partial(_cp_slicing_forward_step, _forward_step)
+    out: dict[str, Any] = {}
+    for mode in modes:
+        set_deterministic_params(chunks, case.seed)
+        distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
+        optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        schedule = LossFixSchedule(
+            LossFixConfig(reduction=mode, norm_constant=case.norm_constant, **case.schedule_kwargs)
+        )
+        iterators = [iter(mbs) for _ in chunks]
+        schedule(
+            forward_step_func=step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(mbs),
+            # Megatron divides the pipeline's seq_length by CP itself.
+            seq_length=mbs[0]["tokens"].shape[1]
+            * (ps.get_context_parallel_world_size() if sharded else 1),
+            micro_batch_size=mbs[0]["tokens"].shape[0],
+            forward_only=False,
+        )
+        result = {"grads": gather_full_grads(chunks), "metrics": schedule.step_metrics()}
+        if optimizer is not None:
+            result.update(_optimizer_step(optimizer, chunks, gather_full_params))
+        out[mode] = result
+    return out if torch.distributed.get_rank() == 0 else None
+
+
 def reference_grads(
-    case: OracleCase, mode: str, partition: Sequence[int] | None = None
+    case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None = None
 ) -> dict[str, Any]:
     """One rank, one micro-batch: the whole global batch, loss ``sum(w * l)``; returns
-    ``{"grads": {name: grad}, "loss": L}``.
+    ``{"grads", "loss"}`` plus ``{"grad_norm", "update"}`` with ``case.optimizer``.
 
-    ``partition`` (micro-batch sizes in global order) matters only for ``token_mean_legacy``,
-    whose weights depend on the micro-batches; ``off`` is compared with ``token_mean``.
-    Must run on a rank whose process group has exactly one rank.
+    ``plan`` (each DP rank's micro-batch sizes, :func:`microbatch_plan`) matters only for
+    ``token_mean_legacy``, whose weights depend on the micro-batches: each rank's are
+    ``loss_weights`` of its own micro-batches, divided by D. ``off`` is compared with
+    ``token_mean``. Must run on a rank whose process group has exactly one rank.
     """
     from megatron_lossfix.losses import weighted_sum
     from megatron_lossfix.reduction import loss_weights
@@ -187,32 +248,41 @@ def reference_grads(
         Layout,
         build_tiny_gpt,
         gather_full_grads,
+        gather_full_params,
         init_layout,
         set_deterministic_params,
     )
 
     layout = Layout()
     init_layout(layout)
+    kwargs = {k: v for k, v in case.model_kwargs.items() if k != "use_distributed_optimizer"}
     chunks, config = build_tiny_gpt(
-        layout, seq_len=case.seq_length, calculate_per_token_loss=False, **case.model_kwargs
+        layout, seq_len=case.seq_length, calculate_per_token_loss=False, **kwargs
     )
     set_deterministic_params(chunks, case.seed)
+    optimizer = _optimizer(case, chunks, distributed=False) if case.optimizer else None
     batch = make_global_batch(case, config.vocab_size)
     target = "token_mean" if mode == "off" else mode
     if target == "token_mean_legacy":
-        masks = list(torch.split(batch["loss_mask"], list(partition)))
-        weights = torch.cat(loss_weights(masks, target))
+        rank_masks = torch.split(batch["loss_mask"], [sum(sizes) for sizes in plan])
+        weights = torch.cat(
+            [
+                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
+                for masks, sizes in zip(rank_masks, plan, strict=True)
+            ]
+        ) / len(plan)
     else:
-        weights = loss_weights(
-            [batch["loss_mask"]], target, norm_constant=case.norm_constant
-        )[0]
+        weights = loss_weights([batch["loss_mask"]], target, norm_constant=case.norm_constant)[0]
     model = chunks[0]
     model.zero_grad_buffer()
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss = weighted_sum(output, weights)
     loss.backward()
     model.finish_grad_sync()
-    return {"grads": gather_full_grads(chunks), "loss": float(loss)}
+    result = {"grads": gather_full_grads(chunks), "loss": float(loss)}
+    if optimizer is not None:
+        result.update(_optimizer_step(optimizer, chunks, gather_full_params))
+    return result
 
 
 def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -224,3 +294,31 @@ def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
     g = torch.cat([got[n].double().flatten() for n in names])
     r = torch.cat([ref[n].double().flatten() for n in names])
     return float((g - r).norm() / r.norm().clamp(min=1e-30))
+
+
+def _references(
+    case: OracleCase, modes: Sequence[str], plan: Sequence[Sequence[int]]
+) -> dict[str, Any]:
+    return {mode: reference_grads(case, mode, plan) for mode in modes}
+
+
+def check_layout(
+    pool: Any, case: OracleCase, layout: Any, world: int, num_microbatches: int,
+    modes: Sequence[str],
+) -> dict[str, dict[str, Any]]:
+    """Run ``layout`` and its references in ``pool``; per mode return the gradient's relative
+    error and the reported versus reference loss (plus the raw results for further checks)."""
+    dp = world // (layout.tp * layout.pp * layout.cp)
+    plan = microbatch_plan(case, dp, num_microbatches)
+    refs = pool.run(_references, 1, case, modes, plan)[0]
+    results = pool.run(layout_grads, world, layout, case, modes, num_microbatches)[0]
+    return {
+        mode: {
+            "error": relative_error(results[mode]["grads"], refs[mode]["grads"]),
+            "loss": results[mode]["metrics"]["loss"],
+            "ref_loss": refs[mode]["loss"],
+            "result": results[mode],
+            "reference": refs[mode],
+        }
+        for mode in modes
+    }
