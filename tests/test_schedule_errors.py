@@ -1,0 +1,229 @@
+"""Hostile inputs to the schedule hook: every one fails with a message a user can act on, and
+data-dependent failures on one data-parallel rank stop every rank instead of hanging them."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_lossfix import LossFixConfig, weighted_loss, weighted_sum
+from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
+from megatron_lossfix.testing.tiny_gpt import Layout
+
+
+def _forward_step(loss_variant, data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    weights = batch.get("loss_weights")
+    if loss_variant == "one-tuple":
+        return output, lambda out: (weighted_sum(out, weights),)
+    if loss_variant == "two-tuple":
+        return output, lambda out: (weighted_sum(out, weights), {})
+    if loss_variant == "vector-loss":
+        return output, lambda out: ((out * weights).sum(dim=1), torch.tensor(1), {})
+    if loss_variant == "nan-on-second":
+        def loss(out):
+            value, n, report = weighted_loss(weights, out)
+            is_second = float(batch["tokens"][0, 0] == SECOND_TOKEN)
+            return value + (math.nan if is_second else 0.0), n, report
+        return output, loss
+    return output, partial(weighted_loss, weights)
+
+
+SECOND_TOKEN = -1
+
+
+def _step(mode_by_rank, *, m=3, mutate=None, loss_variant="plain", per_token=False, **cfg):
+    """One step on DP ranks; returns ``("ok", None)`` or ``(exception type, message)``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.testing.tiny_gpt import build_tiny_gpt, init_layout
+
+    global SECOND_TOKEN
+    init_layout(Layout())
+    chunks, config = build_tiny_gpt(Layout(), calculate_per_token_loss=per_token)
+    rank = dist.get_rank()
+    case = OracleCase()
+    batch = make_global_batch(case, config.vocab_size)
+    dp = ps.get_data_parallel_world_size()
+    sizes = microbatch_plan(case, dp, m)[rank]
+    start = sum(sizes) * rank
+    local = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
+    index = torch.split(torch.arange(sum(sizes)), sizes)
+    mbs = [{k: v[i] for k, v in local.items()} for i in index]
+    SECOND_TOKEN = int(mbs[1]["tokens"][0, 0]) if len(mbs) > 1 else -1
+    num_microbatches = m
+    if mutate is not None:
+        mbs, num_microbatches = mutate(rank, mbs, num_microbatches)
+    schedule = LossFixSchedule(LossFixConfig(reduction=mode_by_rank[rank], **cfg))
+    try:
+        schedule(
+            forward_step_func=partial(_forward_step, loss_variant),
+            data_iterator=iter(mbs),
+            model=chunks[0],
+            num_microbatches=num_microbatches,
+            seq_length=case.seq_length,
+            micro_batch_size=2,
+        )
+    except Exception as exc:  # reported to the parent, which asserts on it
+        return type(exc).__name__, str(exc)
+    return "ok", None
+
+
+def _run(pool, *args, world=2, **kwargs):
+    return pool.run(_step, world, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- cross-rank problems
+@pytest.mark.parametrize(
+    "modes", [("token_mean", "sequence_mean"), ("off", "token_mean"), ("sum", "token_mean_legacy")]
+)
+def test_ranks_disagreeing_on_the_mode_all_raise(dist_pool, modes):
+    results = _run(dist_pool, modes)
+    for kind, message in results:
+        assert kind == "ValueError" and "disagree on the loss reduction" in message, results
+
+
+def _fractional_mask_on_rank1(rank, mbs, m):
+    if rank == 1:
+        mbs[2] = {**mbs[2], "loss_mask": mbs[2]["loss_mask"] * 0.5}
+    return mbs, m
+
+
+def _negative_mask_on_rank0(rank, mbs, m):
+    if rank == 0:
+        mbs[0] = {**mbs[0], "loss_mask": -mbs[0]["loss_mask"]}
+    return mbs, m
+
+
+@pytest.mark.parametrize(
+    "mutate, bad_rank, k",
+    [(_fractional_mask_on_rank1, 1, 2), (_negative_mask_on_rank0, 0, 0)],
+    ids=["fractional", "negative"],
+)
+def test_bad_mask_on_one_rank_stops_every_rank(dist_pool, mutate, bad_rank, k):
+    results = _run(dist_pool, ("token_mean", "token_mean"), mutate=mutate)
+    kind, message = results[bad_rank]
+    assert kind == "ValueError" and f"micro-batch {k} must hold only 0 and 1" in message
+    kind, message = results[1 - bad_rank]
+    assert kind.endswith("ProblemOnAnotherRank")
+    assert "a data-parallel rank found a problem" in message
+
+
+def _short_iterator_on_rank1(rank, mbs, m):
+    return (mbs[:2] if rank == 1 else mbs), m
+
+
+def test_num_microbatches_disagreeing_with_the_data(dist_pool):
+    results = _run(dist_pool, ("sequence_mean", "sequence_mean"), mutate=_short_iterator_on_rank1)
+    assert results[1][0] == "ValueError" and "ran out after 2 micro-batches" in results[1][1]
+    assert "a data-parallel rank found a problem" in results[0][1]
+
+
+def test_bad_mask_with_streaming_mode_is_refused_after_the_step(dist_pool):
+    results = _run(dist_pool, ("off", "off"), mutate=_fractional_mask_on_rank1)
+    assert results[0] == ("ok", None)
+    assert results[1][0] == "ValueError" and "must hold only 0 and 1" in results[1][1]
+
+
+def _drop_mask(rank, mbs, m):
+    return [{k: v for k, v in mb.items() if k != "loss_mask"} for mb in mbs], m
+
+
+def _zero_microbatches(rank, mbs, m):
+    return mbs, 0
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [(_drop_mask, "holding the loss mask under 'loss_mask'"), (_zero_microbatches, "positive")],
+    ids=["missing-mask", "no-microbatches"],
+)
+def test_malformed_step_inputs(dist_pool, mutate, match):
+    results = _run(dist_pool, ("token_mean", "token_mean"), mutate=mutate, world=1)
+    assert results[0][0] == "ValueError" and match in results[0][1], results
+
+
+# ---------------------------------------------------------------- loss function contract
+@pytest.mark.parametrize(
+    "variant, per_token, match",
+    [
+        ("one-tuple", False, "must return (loss, num_tokens, report) or (loss, report)"),
+        ("two-tuple", True, "calculate_per_token_loss=True needs loss_func to return"),
+        ("vector-loss", False, "one-element loss tensor"),
+    ],
+)
+def test_loss_function_arity_and_shape(dist_pool, variant, per_token, match):
+    results = _run(
+        dist_pool, ("sequence_mean",), world=1, loss_variant=variant, per_token=per_token
+    )
+    assert results[0][0] == "ValueError" and match in results[0][1], results
+
+
+def test_two_tuple_works_without_per_token_mode(dist_pool):
+    assert _run(dist_pool, ("token_mean",), world=1, loss_variant="two-tuple") == [("ok", None)]
+
+
+def test_check_finite_names_the_microbatch(dist_pool):
+    results = _run(
+        dist_pool, ("token_mean",), world=1, loss_variant="nan-on-second", check_finite=True
+    )
+    assert results[0][0] == "FloatingPointError" and "micro-batch 1" in results[0][1], results
+    # Without the check the NaN flows on silently (the flag exists because checking syncs).
+    assert _run(dist_pool, ("token_mean",), world=1, loss_variant="nan-on-second") == [
+        ("ok", None)
+    ]
+
+
+# ---------------------------------------------------------------- single-process contract
+def test_weighted_sum_refuses_mask_shape_mismatch():
+    with pytest.raises(ValueError, match=r"per-token loss has shape \(2, 5\).*\(2, 4\)"):
+        weighted_sum(torch.zeros(2, 5), torch.zeros(2, 4))
+
+
+def test_weighted_sum_ignores_garbage_on_zero_weight_tokens():
+    losses = torch.tensor([[1.0, math.nan, math.inf]], requires_grad=True)
+    weights = torch.tensor([[0.5, 0.0, 0.0]])
+    value = weighted_sum(losses, weights)
+    value.backward()
+    assert value.item() == 0.5
+    assert torch.equal(losses.grad, torch.tensor([[0.5, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"reduction": "mean"}, "unknown loss reduction"),
+        ({"reduction": "seq_mean_token_sum_norm"}, "needs norm_constant"),
+        ({"reduction": "seq_mean_token_sum_norm", "norm_constant": 0}, "must be > 0"),
+        ({"reduction": "seq_mean_token_sum_norm", "norm_constant": -1.0}, "must be > 0"),
+        ({"reduction": "off", "norm_constant": -1.0}, "must be > 0"),
+        ({"reduction": "sum", "weights_key": "loss_mask"}, "must differ"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossFixConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--loss-norm-constant", "4"], "needs --loss-reduction seq_mean_token_sum_norm"),
+        (["--loss-reduction", "sum", "--loss-norm-constant", "4"], "applies only to"),
+        (["--loss-reduction", "seq_mean_token_sum_norm"], "needs norm_constant"),
+        (["--loss-reduction", "seq_mean_token_sum_norm", "--loss-norm-constant", "0"], "> 0"),
+    ],
+)
+def test_flag_combinations_are_refused(argv, match):
+    import argparse
+
+    args = add_lossfix_args(argparse.ArgumentParser()).parse_args(argv)
+    with pytest.raises(ValueError, match=match):
+        from_args(args)
