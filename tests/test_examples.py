@@ -56,3 +56,25 @@ def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
         assert max(loss_diff, norm_diff) > 1e-3, f"stock Megatron agreed: {loss_diff}, {norm_diff}"
     else:
         assert loss_diff <= TOL and norm_diff <= TOL, (reduction, loss_diff, norm_diff, one, two)
+
+
+@pytest.mark.parametrize(
+    "layout_args",
+    [
+        ["--context-parallel-size", "2", "--no-attention"],
+        ["--expert-model-parallel-size", "2", "--num-experts", "4"],
+    ],
+    ids=["cp2", "ep2-moe"],
+)
+def test_pretrain_gpt_cp_and_ep_layouts_agree(tmp_path, layout_args):
+    """Context parallelism (attention-free layers on CPU) and expert parallelism against one
+    rank with one micro-batch; aux losses off, since by design they keep stock semantics."""
+    model = [a for a in layout_args if a in ("--no-attention",)]
+    if "--num-experts" in layout_args:
+        model += ["--num-experts", "4"]
+    one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *COMMON,
+                      "--micro-batch-size", "12", *model)  # fmt: skip
+    two = run_example("pretrain_gpt.py", 2, tmp_path / "two.jsonl", *COMMON,
+                      "--micro-batch-size", "2", *layout_args)  # fmt: skip
+    loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
+    assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff)
