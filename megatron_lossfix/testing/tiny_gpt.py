@@ -126,6 +126,7 @@ def build_tiny_gpt(
     overlap_grad_reduce: bool = False,
     use_distributed_optimizer: bool = False,
     bucket_size: int | None = None,
+    lora_rank: int | None = None,
     **config_kwargs: Any,
 ) -> tuple[list, Any]:
     """Build the GPTModel chunks of this rank, wrapped in Megatron DDP, plus their config.
@@ -135,6 +136,8 @@ def build_tiny_gpt(
     `vocab_size` and `seq_length`. `config_kwargs` go to
     TransformerConfig. The config gets `finalize_model_grads_func` (and, when overlapping the
     grad reduce, `no_sync_func` / `grad_sync_func`) set the way Megatron-LM's training loop does.
+    With `lora_rank`, each chunk gets a frozen base and LoRA adapters of that rank
+    (`megatron_lossfix.lora.apply_lora`) before the DDP wrap.
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -210,6 +213,11 @@ def build_tiny_gpt(
             position_embedding_type="learned_absolute",
             vp_stage=vp,
         )
+        if lora_rank:
+            from megatron_lossfix.lora import apply_lora
+
+            # Before DDP, which allocates grad buffers only for trainable parameters.
+            apply_lora(model, rank=lora_rank)
         # As Megatron-LM: only the first chunk's buffer is split into buckets.
         chunks.append(
             DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0)
