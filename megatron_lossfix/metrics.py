@@ -2,8 +2,8 @@
 
 Per micro-batch the schedule records its share of the loss and the loss function's report; here
 they are reduced over the data x context-parallel group of the loss stage and shared with the
-other pipeline stages. Report entries are reduced by their name: ``*_sum`` summed, ``*_max``
-maxed, ``*_min`` minimized; other entries are left out.
+other pipeline stages. Report entries are reduced by their name: ``*_sum`` and ``*_count``
+summed, ``*_max`` maxed, ``*_min`` minimized; other entries are left out.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["reduce_step_metrics"]
 
-_SUFFIXES = ("_sum", "_max", "_min")
+_SUFFIXES = ("_sum", "_count", "_max", "_min")
 
 
 def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
@@ -47,7 +47,7 @@ def _local_metrics(state: _StepState, config: LossFixConfig, groups: StepGroups)
             num_segments=[num for _, num in state.segments],
         )
     stats = _scalar_stats(state.reports)
-    sums = sorted(k for k in stats if k.endswith("_sum"))
+    sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
     maxes = sorted(k for k in stats if k.endswith("_max"))
     mins = sorted(k for k in stats if k.endswith("_min"))
     device = counts.num_tokens.device

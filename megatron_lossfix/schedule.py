@@ -506,7 +506,8 @@ class LossFixSchedule:
 
         ``loss`` is L of DESIGN §2 (with ``off``: the stock per-micro-batch mean Megatron
         optimizes), ``num_tokens`` N and ``num_sequences`` S; report entries that are 0-dim
-        tensors named ``*_sum``, ``*_max`` or ``*_min`` are reduced that way over DP x CP.
+        tensors named ``*_sum``/``*_count``, ``*_max`` or ``*_min`` are reduced that way over
+        DP x CP.
         """
         from megatron_lossfix.metrics import reduce_step_metrics
 
