@@ -61,6 +61,13 @@ class OracleCase:
     """Gradient clipping norm of that step (0: none)."""
     lr: float = 0.1
     """Learning rate of that step."""
+    objective: str = "sft"
+    """``sft`` (per-token cross entropy) or the full RL objective with ``ppo`` or ``gspo``
+    policy loss plus a k3 KL penalty and an entropy bonus."""
+    rl_kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"kl_coef": 0.1, "entropy_coef": 0.01, "dual_clip_c": 1.5}
+    )
+    """Extra ``rl_objective`` arguments of the RL objectives."""
     adam_eps: float = 1e-8
     """Adam's epsilon; a huge one makes the first Adam step linear in the (clipped) gradient,
     like SGD, which Megatron's optimizer factory refuses."""
@@ -79,12 +86,20 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
     response[list(case.zero_sequences)] = 0
     pos = torch.arange(s)
     mask = (pos[None, :] >= prompt[:, None]) & (pos[None, :] < (prompt + response)[:, None])
-    return {
+    batch = {
         "tokens": tokens,
         "labels": labels,
         "loss_mask": mask.float(),
         "position_ids": pos.expand(b, s).clone(),
     }
+    if case.objective != "sft":
+        # Rollout data around the tiny model's own log-probs (about -log V), so that the PPO
+        # ratio lands on both sides of the clip range; advantages are per sequence.
+        base = -torch.log(torch.tensor(float(vocab_size)))
+        batch["old_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
+        batch["ref_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
+        batch["advantages"] = torch.randn(b, 1, generator=gen).expand(b, s).clone()
+    return batch
 
 
 def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:
@@ -116,12 +131,45 @@ def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return packed
 
 
-def _forward_step(data_iterator: Any, model: Any) -> tuple:
+def _model_output(case: OracleCase, model: Any, batch: dict) -> torch.Tensor:
+    """Per-token cross entropy (SFT) or vocab-parallel logits ``[b, s, V/TP]`` (RL)."""
+    labels = batch["labels"] if case.objective == "sft" else None
+    return model(batch["tokens"], batch["position_ids"], None, labels=labels)
+
+
+def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch.Tensor) -> tuple:
+    """The full RL objective of one micro-batch: (weighted sum, num_tokens, stats)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
+    from megatron_lossfix.rl_losses import rl_objective
+
+    tp = ps.get_tensor_model_parallel_group()
+    cp = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, batch["labels"], tp_group=tp)
+    loss, stats = rl_objective(
+        logprobs,
+        batch["old_logprobs"],
+        batch["advantages"],
+        weights,
+        batch["loss_mask"],
+        policy_loss=case.objective,
+        ref_logprobs=batch["ref_logprobs"],
+        entropy=entropy,
+        cp_group=cp,
+        **case.rl_kwargs,
+    )
+    return loss, (weights != 0).sum(dtype=torch.int), stats
+
+
+def _forward_step(case: OracleCase, data_iterator: Any, model: Any) -> tuple:
     from megatron_lossfix.losses import weighted_loss
 
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(weighted_loss, batch.get("loss_weights"))
+    output = _model_output(case, model, batch)
+    if case.objective == "sft":
+        return output, partial(weighted_loss, batch.get("loss_weights"))
+    return output, partial(_rl_loss, case, batch, batch.get("loss_weights"))
 
 
 def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tuple:
@@ -199,9 +247,9 @@ def layout_grads(
         mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
-    step = _forward_step
+    step = partial(_forward_step, case)
     if not sharded and ps.get_context_parallel_world_size() > 1:
-        step = partial(_cp_slicing_forward_step, _forward_step)
+        step = partial(_cp_slicing_forward_step, step)
     out: dict[str, Any] = {}
     for mode in modes:
         set_deterministic_params(chunks, case.seed)
@@ -275,8 +323,11 @@ def reference_grads(
         weights = loss_weights([batch["loss_mask"]], target, norm_constant=case.norm_constant)[0]
     model = chunks[0]
     model.zero_grad_buffer()
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    loss = weighted_sum(output, weights)
+    output = _model_output(case, model, batch)
+    if case.objective == "sft":
+        loss = weighted_sum(output, weights)
+    else:
+        loss = _rl_loss(case, batch, weights, output)[0]
     loss.backward()
     model.finish_grad_sync()
     result = {"grads": gather_full_grads(chunks), "loss": float(loss)}
