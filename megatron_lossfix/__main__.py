@@ -1,0 +1,45 @@
+"""``python -m megatron_lossfix <command>`` (also the ``megatron-lossfix`` console script).
+
+Commands:
+  audit   run the gradient invariance matrix on this machine (see ``megatron_lossfix.audit``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+# name -> (one-line help, module whose ``main(argv) -> int`` runs it); imported on use only, so
+# that ``--help`` does not pay for torch and Megatron.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "audit": (
+        "check every reduction mode's gradient against a one-rank reference over parallel "
+        "layouts; writes audit.json and audit.png, exits 1 on a miss",
+        "megatron_lossfix.audit",
+    ),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch to a subcommand; returns its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_lossfix",
+        description="megatron_lossfix tools. Run `<command> --help` for a command's flags.",
+    )
+    parser.add_argument(
+        "command",
+        choices=sorted(COMMANDS),
+        help="; ".join(f"{k}: {v[0]}" for k, v in COMMANDS.items()),
+    )
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own flags")
+    # Parse only the command name: everything after it belongs to the command.
+    ns = parser.parse_args(argv[:1])
+    from importlib import import_module
+
+    return int(import_module(COMMANDS[ns.command][1]).main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The ``audit`` command: layout names, a passing run, a run with a broken loss that must fail,
+and the ``python -m megatron_lossfix`` entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lossfix import audit
+from megatron_lossfix.audit import AuditLayout, parse_layout
+from megatron_lossfix.testing.oracle import layout_grads
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("dp2-m3", AuditLayout("dp2-m3", dp=2, num_microbatches=3)),
+        ("tp2-pp2-dp2-m3", AuditLayout("tp2-pp2-dp2-m3", tp=2, pp=2, dp=2, num_microbatches=3)),
+        ("pp2-vpp2-m4", AuditLayout("pp2-vpp2-m4", pp=2, vpp=2, num_microbatches=4)),
+        ("m1-cp2", AuditLayout("m1-cp2", cp=2, num_microbatches=1)),
+    ],
+)
+def test_parse_layout(name, want):
+    assert parse_layout(name) == want
+
+
+@pytest.mark.parametrize("name", ["dp2", "tp2-tp2-m1", "xx-m2", "dp0-m1", "vpp2-m4", "dp2-m3-"])
+def test_parse_layout_rejects(name):
+    with pytest.raises(ValueError, match="bad layout"):
+        parse_layout(name)
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        audit.main(["--modes", "token_mean,nope"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # 3 layers cannot be cut into 2 pipeline stages
+        audit.main(["--layouts", "pp2-m2", "--num-layers", "3"])
+    assert exc.value.code == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def _run(pool, tmp_path, *flags):
+    argv = ["--layouts", "dp2-m3", "--modes", "token_mean,sum,off", "--out", str(tmp_path)]
+    return audit.main([*argv, "--no-progress", *flags], pool=pool)
+
+
+def test_audit_passes_and_writes_outputs(dist_pool, tmp_path, capsys):
+    assert _run(dist_pool, tmp_path) == 0
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["passed"] is True and report["failures"] == []
+    assert report["tolerance"] == 1e-5
+    assert [lay["name"] for lay in report["layouts"]] == ["dp2-m3"]
+    assert report["layouts"][0]["world_size"] == 2
+    errors = report["errors"]
+    assert set(errors) == {"token_mean", "sum", "off"}
+    assert errors["token_mean"]["dp2-m3"] <= 1e-5 and errors["sum"]["dp2-m3"] <= 1e-5
+    # The stock baseline misses on this data: the check can fail, and that is not a failure.
+    assert errors["off"]["dp2-m3"] > 1e-3
+    rows = {(r["mode"], r["layout"]): r for r in report["results"]}
+    assert rows[("token_mean", "dp2-m3")]["loss_rel_error"] <= 1e-5
+    assert rows[("off", "dp2-m3")]["passed"] is False
+    assert (tmp_path / "audit.png").read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr().out
+    assert "off (stock Megatron)" in out and "PASS" in out
+
+
+def _double_scaled_loss(weights, output_tensor, **_):
+    """A classic bug: the loss divides the plugin-weighted sum by its own token count again."""
+    from megatron_lossfix.losses import weighted_sum
+
+    num_tokens = (weights != 0).sum(dtype=int)
+    return weighted_sum(output_tensor, weights) / num_tokens.clamp(min=1), num_tokens, {}
+
+
+def _double_scaled_layout_grads(*args, **kwargs):
+    # Runs inside the pool's ranks, which the whole test session shares: patch, then restore.
+    # The oracle's forward step looks weighted_loss up in its module on every call.
+    import megatron_lossfix.losses as losses
+
+    original = losses.weighted_loss
+    losses.weighted_loss = _double_scaled_loss
+    try:
+        return layout_grads(*args, **kwargs)
+    finally:
+        losses.weighted_loss = original
+
+
+def test_audit_fails_on_double_scaled_loss(dist_pool, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(audit, "_layout_worker", lambda: _double_scaled_layout_grads)
+    assert _run(dist_pool, tmp_path, "--no-plot") == 1
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["passed"] is False
+    assert {(f["mode"], f["layout"]) for f in report["failures"]} == {
+        ("token_mean", "dp2-m3"),
+        ("sum", "dp2-m3"),
+    }
+    assert not (tmp_path / "audit.png").exists()
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_module_entry_point(tmp_path):
+    """`python -m megatron_lossfix audit` end to end, in its own pool (one rank)."""
+    cmd = [sys.executable, "-m", "megatron_lossfix", "audit", "--layouts", "dp1-m2"]
+    cmd += ["--modes", "token_mean,off", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "audit [" in done.stderr  # the progress lines (stderr is not a terminal here)
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["passed"] and report["errors"]["off"]["dp1-m2"] > 1e-3
+    assert (tmp_path / "audit.png").is_file()
+
+
+def test_module_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_lossfix", "audit", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0
+    for flag in ("--modes", "--layouts", "--out", "--model-size", "--hidden-size", "--tolerance"):
+        assert flag in done.stdout

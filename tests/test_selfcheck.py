@@ -1,0 +1,332 @@
+"""``SelfCheckingSchedule``: re-split plans, data re-splitting, and the check itself on the tiny
+GPT through real Megatron-Core schedules (pool ranks): it passes for the plugin's loss under DP,
+PP (1F1B and interleaved), the distributed optimizer, dropout and the per-token path, leaves
+training exactly as a run without it, and catches double-scaled losses on every rank."""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_lossfix.args import add_lossfix_args
+from megatron_lossfix.selfcheck import (
+    ResplitPlan,
+    SelfCheckError,
+    SelfCheckingSchedule,
+    resplit,
+    resplit_plan,
+    with_self_check,
+)
+from megatron_lossfix.testing.tiny_gpt import Layout
+
+# ------------------------------------------------------------------------------ plans and data
+
+
+@pytest.mark.parametrize(
+    "m, mbs, kwargs, want",
+    [
+        (2, 6, {}, ResplitPlan("split", 2, 4, 3)),
+        (3, 1, {}, ResplitPlan("merge", 3, 1, 3)),
+        (4, 1, {}, ResplitPlan("merge", 2, 2, 2)),
+        (2, 3, {}, ResplitPlan("split", 2, 4, None)),  # uneven halves: fine without PP
+        (8, 3, {"pipeline_size": 2}, ResplitPlan("merge", 2, 4, 6)),  # PP keeps one shape
+        (2, 3, {"pipeline_size": 2, "interleaved_group": 2}, ResplitPlan("shuffle", 1, 2, None)),
+        (4, 6, {"keep_shapes": True}, ResplitPlan("shuffle", 1, 4, None)),
+        (1, 1, {}, None),
+        (1, 3, {"pipeline_size": 2}, None),
+    ],
+)
+def test_resplit_plan(m, mbs, kwargs, want):
+    assert resplit_plan(m, mbs, **kwargs) == want
+
+
+def _batches(sizes: list[int]) -> list[dict]:
+    start, out = 0, []
+    for n in sizes:
+        rows = torch.arange(start, start + n)
+        out.append(
+            {
+                "tokens": rows[:, None].expand(n, 4).clone(),
+                "loss_mask": torch.ones(n, 4),
+                "position_ids": torch.arange(4)[None, :],  # broadcast: shared, not per row
+                "tag": "x",
+            }
+        )
+        start += n
+    return out
+
+
+def _rows(batches: list[dict]) -> list[int]:
+    return [int(r) for b in batches for r in b["tokens"][:, 0]]
+
+
+@pytest.mark.parametrize(
+    "sizes, plan, want_sizes",
+    [
+        ([4, 4], ResplitPlan("split", 2, 4, 2), [2, 2, 2, 2]),
+        ([3, 2], ResplitPlan("split", 2, 4, None), [1, 2, 1, 1]),
+        ([2, 2, 2, 2], ResplitPlan("merge", 2, 2, 4), [4, 4]),
+        ([3, 3, 3], ResplitPlan("shuffle", 1, 3, None), [3, 3, 3]),
+    ],
+)
+def test_resplit_keeps_every_row_once(sizes, plan, want_sizes):
+    before = _batches(sizes)
+    after = resplit(before, plan)
+    assert [len(b["tokens"]) for b in after] == want_sizes
+    assert sorted(_rows(after)) == _rows(before)
+    shared = before[0]["position_ids"]
+    assert all(torch.equal(b["position_ids"], shared) and b["tag"] == "x" for b in after)
+    if plan.kind == "shuffle":  # every new micro-batch mixes rows of several old ones
+        assert all(len({r // 3 for r in _rows([b])}) > 1 for b in after)
+
+
+def test_resplit_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="1 row"):
+        resplit(_batches([1, 1]), ResplitPlan("split", 2, 4, None))
+    with pytest.raises(ValueError, match="only dict"):
+        resplit([(torch.ones(2),)], ResplitPlan("merge", 2, 1, None))
+    uneven = _batches([2, 2])
+    uneven[1]["tag"] = "y"
+    with pytest.raises(ValueError, match="'tag' differs"):
+        resplit(uneven, ResplitPlan("merge", 2, 1, None))
+    packed = _batches([2, 2])
+    for b in packed:
+        b["cu_seqlens"] = torch.tensor([0, 4, 8])
+    with pytest.raises(ValueError, match="packed"):
+        resplit(packed, ResplitPlan("split", 2, 4, None))
+
+
+class _FakeSchedule:
+    def __init__(self, reduction):
+        self.config = argparse.Namespace(reduction=reduction)
+        self.calls = 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return ["ok"]
+
+
+@pytest.mark.parametrize("reduction", ["off", "token_mean_legacy"])
+def test_split_dependent_modes_are_skipped(reduction):
+    inner = _FakeSchedule(reduction)
+    checker = SelfCheckingSchedule(inner)
+    with pytest.warns(UserWarning, match="depends on the micro-batch split"):
+        out = checker(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
+    assert out == ["ok"] and inner.calls == 1
+    assert checker.config.reduction == reduction  # the wrapped schedule's attributes pass through
+
+
+def test_with_self_check_from_flags():
+    parser = add_lossfix_args(argparse.ArgumentParser())
+    inner = _FakeSchedule("token_mean")
+    args = parser.parse_args(["--loss-reduction", "token_mean"])
+    assert with_self_check(inner, args) is inner
+    flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
+    args = parser.parse_args([*flags, "--lossfix-self-check-tolerance", "1e-3"])
+    wrapped = with_self_check(inner, args)
+    assert isinstance(wrapped, SelfCheckingSchedule) and wrapped.tolerance == 1e-3
+    with pytest.raises(ValueError, match="needs --loss-reduction"):
+        with_self_check(inner, parser.parse_args(["--lossfix-self-check"]))
+
+
+# ------------------------------------------------------------------------------ on the tiny GPT
+
+
+def _double_scaled_loss(weights, output_tensor, **_):
+    """The bug to catch: the plugin-weighted sum divided again by the micro-batch's tokens."""
+    from megatron_lossfix.losses import weighted_sum
+
+    num_tokens = (weights != 0).sum(dtype=torch.int)
+    return weighted_sum(output_tensor, weights) / num_tokens.clamp(min=1), num_tokens, {}
+
+
+def _mask_mean_loss(mask, output_tensor, **_):
+    """The other bug: a per-micro-batch masked mean that ignores the plugin's weights."""
+    return (output_tensor * mask).sum() / mask.sum().clamp(min=1), {}
+
+
+def _broadcast_first_stage_batch(data_iterator, rows: int) -> dict:
+    """Megatron-LM's ``get_batch_on_this_tp_rank`` on a first (non-loss) pipeline stage: TP rank
+    0 reads, the others receive into buffers of the configured micro-batch shape."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    src = ps.get_tensor_model_parallel_src_rank()
+    if ps.get_tensor_model_parallel_rank() == 0:
+        batch = next(data_iterator)
+        tokens, position_ids = batch["tokens"], batch["position_ids"]
+    else:
+        tokens = torch.empty((rows, 16), dtype=torch.long)
+        position_ids = torch.empty((rows, 16), dtype=torch.long)
+    for tensor in (tokens, position_ids):
+        dist.broadcast(tensor, src, group=group)
+    return {"tokens": tokens, "position_ids": position_ids, "labels": None}
+
+
+def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model):
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.losses import weighted_loss
+
+    counter[0] += 1
+    if broadcast_rows and not ps.is_pipeline_last_stage():
+        batch = _broadcast_first_stage_batch(data_iterator, broadcast_rows)
+    else:
+        batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if loss == "double":
+        return output, partial(_double_scaled_loss, batch.get("loss_weights"))
+    if loss == "mask_mean":
+        return output, partial(_mask_mean_loss, batch["loss_mask"])
+    return output, partial(weighted_loss, batch.get("loss_weights"))
+
+
+def _check_on_rank(
+    layout: Layout,
+    m: int,
+    loss: str = "plugin",
+    reduction: str = "token_mean",
+    per_token: bool = False,
+    broadcast: bool = False,
+    **model_kwargs,
+) -> dict:
+    """A plain step, then the same step under the self-check, then a second checked step;
+    every rank returns what it saw (rank 0 also compares the full gradients)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_lossfix import LossFixConfig, LossFixSchedule
+    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.testing.tiny_gpt import (
+        build_tiny_gpt,
+        gather_full_grads,
+        init_layout,
+        set_deterministic_params,
+    )
+
+    init_layout(layout)
+    chunks, config = build_tiny_gpt(
+        layout, seq_len=16, calculate_per_token_loss=per_token, **model_kwargs
+    )
+    set_deterministic_params(chunks, 1234)
+    case = OracleCase()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    sizes = microbatch_plan(case, dp, m)[rank]
+    batch = make_global_batch(case, config.vocab_size)
+    start = rank * sum(sizes)
+    local = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
+    parts = {k: torch.split(v, sizes) for k, v in local.items()}
+    mbs = [{k: parts[k][i] for k in local} for i in range(m)]
+    counter = [0]
+
+    def step(schedule):
+        torch.manual_seed(7)  # dropout: the same masks for the plain and the checked run
+        model_parallel_cuda_manual_seed(7)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        counter[0] = 0
+        iterators = [iter(mbs) for _ in chunks]
+        if broadcast and not ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank():
+            iterators = [None for _ in chunks]  # as Megatron-LM: data on TP rank 0 only
+        schedule(
+            forward_step_func=partial(
+                _forward_step, loss, counter, sizes[0] if broadcast else None
+            ),
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=m,
+            seq_length=16,
+            micro_batch_size=sizes[0],
+            forward_only=False,
+        )
+        grads = gather_full_grads(chunks)
+        return grads, torch.get_rng_state(), counter[0], schedule.step_metrics()["loss"]
+
+    config_ = LossFixConfig(reduction=reduction, norm_constant=16.0)
+    plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
+    checker = SelfCheckingSchedule(LossFixSchedule(config_))
+    try:
+        checked, checked_rng, checked_calls, checked_loss = step(checker)
+    except SelfCheckError as exc:
+        # Every rank must reach the verdict, or the others would hang in the next collective.
+        return {"raised": str(exc), "error": checker.last_error}
+    second, _, second_calls, _ = step(checker)
+    out = {
+        "raised": None,
+        "error": checker.last_error,
+        "plan": checker.last_plan,
+        "rng_same": torch.equal(plain_rng, checked_rng),
+        "calls": (plain_calls, checked_calls, second_calls),
+        # The step record (metrics) is the normal run's, not the re-run's.
+        "loss_same": plain_loss == checked_loss,
+    }
+    if plain is not None:
+        out["grads_same"] = all(torch.equal(plain[k], checked[k]) for k in plain)
+        out["second_same"] = all(torch.equal(plain[k], second[k]) for k in plain)
+    return out
+
+
+def _assert_passed(results: list[dict], plan_kind: str) -> None:
+    for rank, res in enumerate(results):
+        assert res["raised"] is None, f"rank {rank}: {res['raised']}"
+        assert res["error"] <= 1e-5, res
+        assert res["plan"].kind == plan_kind
+        assert res["rng_same"], "the check changed the RNG stream"
+        assert res["loss_same"], "step_metrics after the check differ from a plain step's"
+        plain, checked, second = res["calls"]
+        assert checked > plain and second == plain, res["calls"]  # later steps pass through
+    assert results[0]["grads_same"], "training did not continue from the normal run's gradient"
+    assert results[0]["second_same"]
+
+
+PASSING = [
+    # id, layout, world, micro-batches, options, expected plan
+    ("dp2-m2", Layout(), 2, 2, {}, "split"),
+    ("dp2-m2-sum", Layout(), 2, 2, {"reduction": "sum"}, "split"),
+    ("pp2-m4", Layout(pp=2), 2, 4, {}, "split"),
+    ("pp2-m8-merge", Layout(pp=2), 2, 8, {"reduction": "sequence_mean"}, "merge"),
+    ("pp2-vpp2-m4", Layout(pp=2, vpp=2), 2, 4, {}, "split"),
+    ("dp2-m2-distopt", Layout(), 2, 2, {"use_distributed_optimizer": True}, "split"),
+    ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),
+    ("dp2-m2-per-token", Layout(), 2, 2, {"per_token": True}, "split"),
+    ("tp2-m3", Layout(tp=2), 2, 3, {}, "split"),
+    # The first stage broadcasts fixed-shape batches over TP: only a shape-keeping re-split.
+    ("tp2-pp2-m4-broadcast", Layout(tp=2, pp=2), 4, 4, {"broadcast": True}, "shuffle"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, layout, world, m, options, plan", PASSING, ids=[row[0] for row in PASSING]
+)
+def test_self_check_passes_for_the_plugin(dist_pool, name, layout, world, m, options, plan):
+    results = dist_pool.run(_check_on_rank, world, layout, m, **options)
+    _assert_passed(results, plan)
+
+
+FAILING = [
+    ("dp2-m2-double", Layout(), 2, 2, {"loss": "double"}),
+    ("dp2-m2-per-token-double", Layout(), 2, 2, {"loss": "double", "per_token": True}),
+    ("dp2-m2-mask-mean", Layout(), 2, 2, {"loss": "mask_mean"}),
+    ("pp2-m4-double", Layout(pp=2), 2, 4, {"loss": "double"}),
+    (
+        "tp2-pp2-m4-broadcast-double",
+        Layout(tp=2, pp=2),
+        4,
+        4,
+        {"loss": "double", "broadcast": True},
+    ),
+]
+
+
+@pytest.mark.parametrize("name, layout, world, m, options", FAILING, ids=[r[0] for r in FAILING])
+def test_self_check_catches_split_dependent_losses(dist_pool, name, layout, world, m, options):
+    results = dist_pool.run(_check_on_rank, world, layout, m, **options)
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None, f"rank {rank} did not raise: {res}"
+        assert "double scaling" in res["raised"] and "re-running the first step" in res["raised"]
+        assert res["error"] > 1e-3
+    assert len({res["error"] for res in results}) == 1  # one verdict: the same number everywhere
