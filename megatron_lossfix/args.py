@@ -39,7 +39,8 @@ def add_lossfix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--lossfix-check-finite",
         action="store_true",
-        help="raise, naming the micro-batch, when a loss is NaN or Inf (one device sync per "
+        help="raise, naming the micro-batch and tensor, when a micro-batch input (advantages, "
+        "log-probs, ...), its loss or a report entry is NaN or Inf (device syncs per "
         "micro-batch: for debugging).",
     )
     group.add_argument(

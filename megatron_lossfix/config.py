@@ -45,8 +45,9 @@ class LossFixConfig:
     cost one device sync per step, before the forward pass)."""
 
     check_finite: bool = False
-    """Raise, naming the micro-batch, when a loss is NaN or Inf (a device sync per micro-batch:
-    for debugging runs, off by default)."""
+    """Raise, naming the micro-batch and the tensor, when a floating-point input of a
+    micro-batch (advantages, old or reference log-probs, ...), its loss or a report entry is
+    NaN or Inf (device syncs per micro-batch: for debugging runs, off by default)."""
 
     def __post_init__(self) -> None:
         if self.reduction not in MODES:

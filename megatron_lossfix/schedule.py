@@ -353,7 +353,7 @@ class LossFixSchedule:
             norm_constant=cfg.norm_constant,
             segment_ids=[seg for seg, _ in segments],
         )
-        return batches, lambda batch, k: {**batch, cfg.weights_key: weights[k]}
+        return batches, lambda batch, k: self._with_weights(batch, k, weights[k])
 
     def _mask_of(self, batch: Any, k: int) -> torch.Tensor:
         key = self.config.loss_mask_key
@@ -369,7 +369,20 @@ class LossFixSchedule:
         mask = _float_masks([self._mask_of(batch, k)])[0]
         self.last_step.masks.append(mask)
         self.last_step.segments.append(self._segments_of(batch, mask, k))
-        return {**batch, self.config.weights_key: mask}
+        return self._with_weights(batch, k, mask)
+
+    def _with_weights(self, batch: Mapping, k: int, weights: torch.Tensor) -> dict:
+        if self.config.check_finite:
+            # Rollout data (advantages, old and reference log-probs) is where NaN usually
+            # enters RL; naming the tensor and micro-batch beats a NaN loss three steps later.
+            for key, value in batch.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(
+                    torch.isfinite(value).all()
+                ):
+                    raise FloatingPointError(
+                        f"micro-batch {k}: {key!r} holds NaN or Inf (check_finite is on)"
+                    )
+        return {**batch, self.config.weights_key: weights}
 
     def _segments_of(
         self, batch: Mapping, mask: torch.Tensor, k: int
@@ -473,10 +486,8 @@ class LossFixSchedule:
                 "Return a 3-tuple (megatron_lossfix.weighted_loss does), or set "
                 "calculate_per_token_loss=False."
             )
-        if cfg.check_finite and not bool(torch.isfinite(loss).all()):
-            raise FloatingPointError(
-                f"loss of micro-batch {k} is not finite ({loss.item()}); check_finite is on"
-            )
+        if cfg.check_finite:
+            self._check_finite_outputs(loss, report, k)
         num_tokens = outputs[1] if len(outputs) == 3 else None
         state.contributions.append(self._contribution(loss, num_tokens, sizes))
         if num_tokens is not None:
@@ -487,6 +498,23 @@ class LossFixSchedule:
         if per_token:
             return loss * scale, num_tokens, report
         return loss * scale, report
+
+    @staticmethod
+    def _check_finite_outputs(loss: torch.Tensor, report: Any, k: int) -> None:
+        if not bool(torch.isfinite(loss).all()):
+            raise FloatingPointError(
+                f"loss of micro-batch {k} is not finite ({loss.item()}); check_finite is on"
+            )
+        for key, value in (report.items() if isinstance(report, Mapping) else ()):
+            # Extremes (ratio_min/_max) may legitimately be +-inf on a zero-token micro-batch.
+            if (
+                isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and bool(torch.isnan(value).any())
+            ):
+                raise FloatingPointError(
+                    f"report entry {key!r} of micro-batch {k} is NaN (check_finite is on)"
+                )
 
     def _contribution(
         self, loss: torch.Tensor, num_tokens: torch.Tensor | None, sizes: tuple[int, int, int]

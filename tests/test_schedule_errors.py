@@ -181,6 +181,25 @@ def test_check_finite_names_the_microbatch(dist_pool):
     ]
 
 
+def _nan_advantages_in_microbatch_2(rank, mbs, m):
+    out = []
+    for k, mb in enumerate(mbs):
+        adv = torch.ones(mb["tokens"].shape)
+        if k == 2:
+            adv[0, 3] = math.nan
+        out.append({**mb, "advantages": adv})
+    return out, m
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "off"])
+def test_check_finite_names_a_nan_input_tensor(dist_pool, mode):
+    results = _run(
+        dist_pool, (mode,), world=1, mutate=_nan_advantages_in_microbatch_2, check_finite=True
+    )
+    assert results[0][0] == "FloatingPointError", results
+    assert "micro-batch 2: 'advantages' holds NaN or Inf" in results[0][1]
+
+
 # ---------------------------------------------------------------- single-process contract
 def test_weighted_sum_refuses_mask_shape_mismatch():
     with pytest.raises(ValueError, match=r"per-token loss has shape \(2, 5\).*\(2, 4\)"):
