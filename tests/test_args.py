@@ -1,0 +1,72 @@
+"""The command-line surface is frozen: changing a flag, default or choice must be deliberate
+(Megatron-LM launch scripts and the patches depend on it)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_lossfix import MODES, LossFixConfig
+from megatron_lossfix.args import add_lossfix_args, from_args
+
+FROZEN = {
+    # flag: (dest, default, choices, nargs-or-type)
+    "--loss-reduction": ("loss_reduction", None, MODES, "str"),
+    "--loss-norm-constant": ("loss_norm_constant", None, None, "float"),
+    "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
+    "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
+    "--lossfix-self-check": ("lossfix_self_check", False, None, "store_true"),
+    "--lossfix-self-check-tolerance": ("lossfix_self_check_tolerance", 1e-5, None, "float"),
+}
+
+
+def _group_actions() -> list[argparse.Action]:
+    parser = add_lossfix_args(argparse.ArgumentParser())
+    groups = [g for g in parser._action_groups if g.title == "megatron_lossfix"]
+    assert len(groups) == 1, "all flags live in one 'megatron_lossfix' group"
+    return groups[0]._group_actions
+
+
+def _kind(action: argparse.Action) -> str:
+    if isinstance(action, argparse._StoreTrueAction):
+        return "store_true"
+    return getattr(action.type, "__name__", "str") if action.type else "str"
+
+
+def test_flag_surface_is_frozen():
+    actions = _group_actions()
+    got = {a.option_strings[0]: (a.dest, a.default, a.choices and tuple(a.choices), _kind(a))
+           for a in actions}  # fmt: skip
+    assert got == FROZEN
+
+
+def test_every_flag_has_help():
+    for action in _group_actions():
+        assert action.help and len(action.help) > 20, action.option_strings
+
+
+def test_flags_absent_mean_plugin_absent():
+    args = add_lossfix_args(argparse.ArgumentParser()).parse_args([])
+    assert from_args(args) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_round_trips(mode):
+    argv = ["--loss-reduction", mode]
+    if mode == "seq_mean_token_sum_norm":
+        argv += ["--loss-norm-constant", "512"]
+    config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
+    assert isinstance(config, LossFixConfig) and config.reduction == mode
+    assert config.enabled == (mode != "off")
+
+
+def test_debug_flags_reach_the_config():
+    argv = ["--loss-reduction", "sum", "--lossfix-check-finite", "--lossfix-no-validate"]
+    config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
+    assert config.check_finite and not config.validate
+
+
+def test_unknown_mode_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        add_lossfix_args(argparse.ArgumentParser()).parse_args(["--loss-reduction", "mean"])
