@@ -27,7 +27,6 @@ synchronizes with the host.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -540,15 +539,3 @@ class LossFixSchedule:
         from megatron_lossfix.metrics import reduce_step_metrics
 
         return reduce_step_metrics(self.last_step, self.config, resolve_groups(self._pg_collection))
-
-    @contextlib.contextmanager
-    def reduction(self, reduction: str):
-        """Temporarily use another reduction (for comparisons inside one process)."""
-        old = self.config
-        from dataclasses import replace
-
-        self.config = replace(old, reduction=reduction)
-        try:
-            yield self
-        finally:
-            self.config = old
