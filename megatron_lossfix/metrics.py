@@ -18,7 +18,7 @@ from megatron_lossfix.reduction import count_tokens
 
 if TYPE_CHECKING:
     from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.schedule import StepGroups, _StepState
+    from megatron_lossfix.schedule import _StepState
 
 __all__ = ["reduce_step_metrics"]
 
@@ -36,7 +36,8 @@ def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     return stats
 
 
-def _local_metrics(state: _StepState, config: LossFixConfig, groups: StepGroups) -> dict:
+def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
+    groups = state.groups
     counts = state.counts
     if counts is None:  # streaming modes counted nothing before the step
         counts = count_tokens(
@@ -78,13 +79,12 @@ def _local_metrics(state: _StepState, config: LossFixConfig, groups: StepGroups)
     return {k: float(v) for k, v in out.items()}
 
 
-def reduce_step_metrics(
-    state: _StepState | None, config: LossFixConfig, groups: StepGroups
-) -> dict[str, float]:
+def reduce_step_metrics(state: _StepState | None, config: LossFixConfig) -> dict[str, float]:
     """Global metrics of the last step, returned on every rank of the pipeline group."""
     if state is None:
         raise ValueError("no step has run yet: call the schedule before asking for its metrics")
-    metrics = _local_metrics(state, config, groups) if groups.is_last_stage else None
+    groups = state.groups
+    metrics = _local_metrics(state, config) if groups.is_last_stage else None
     if groups.pp is not None and dist.get_world_size(groups.pp) > 1:
         box = [metrics]
         last = dist.get_global_rank(groups.pp, dist.get_world_size(groups.pp) - 1)

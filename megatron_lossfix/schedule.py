@@ -140,6 +140,7 @@ class _StepState:
     reduction: str
     per_token: bool
     streaming: bool
+    groups: StepGroups
     counts: StepCounts | None = None
     masks: list[torch.Tensor] = field(default_factory=list)
     segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
@@ -200,7 +201,9 @@ class LossFixSchedule:
         # Megatron's deferred per-token division is already exact for token_mean, and `off` is
         # stock: both read the data lazily (streaming) and use the mask as the weights.
         streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
-        state = _StepState(reduction=cfg.reduction, per_token=per_token, streaming=streaming)
+        state = _StepState(
+            reduction=cfg.reduction, per_token=per_token, streaming=streaming, groups=groups
+        )
         self.last_step = state
 
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -538,4 +541,4 @@ class LossFixSchedule:
         """
         from megatron_lossfix.metrics import reduce_step_metrics
 
-        return reduce_step_metrics(self.last_step, self.config, resolve_groups(self._pg_collection))
+        return reduce_step_metrics(self.last_step, self.config)
