@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.cpu_compat import is_cpu_mode
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -90,11 +92,21 @@ def init_layout(layout: Layout, seed: int = 1234) -> Layout:
     return layout
 
 
-def _layer_spec(num_experts: int | None, no_attention: bool) -> Any:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _layer_spec(num_experts: int | None, no_attention: bool, transformer_impl: str) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    if transformer_impl == "transformer_engine":
+        if no_attention:
+            raise ValueError("no_attention is for CPU runs without Transformer Engine")
+        # Needs CUDA and Transformer Engine; its attention supports context parallelism.
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False
+        )
+    if transformer_impl != "local":
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got "
+                         f"{transformer_impl!r}")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if no_attention:
         # The attention block becomes x -> x (no norm, no attention, no residual add): tokens
         # never mix, so sharding the sequence over CP ranks is exact without TE's CP attention.
@@ -127,6 +139,7 @@ def build_tiny_gpt(
     use_distributed_optimizer: bool = False,
     bucket_size: int | None = None,
     lora_rank: int | None = None,
+    transformer_impl: str = "local",
     **config_kwargs: Any,
 ) -> tuple[list, Any]:
     """Build the GPTModel chunks of this rank, wrapped in Megatron DDP, plus their config.
@@ -137,7 +150,9 @@ def build_tiny_gpt(
     TransformerConfig. The config gets `finalize_model_grads_func` (and, when overlapping the
     grad reduce, `no_sync_func` / `grad_sync_func`) set the way Megatron-LM's training loop does.
     With `lora_rank`, each chunk gets a frozen base and LoRA adapters of that rank
-    (`megatron_lossfix.lora.apply_lora`) before the DDP wrap.
+    (`megatron_lossfix.lora.apply_lora`) before the DDP wrap. `transformer_impl` picks the local
+    layer spec or Transformer Engine's (CUDA only). On a GPU run the chunks move to the current
+    CUDA device; under `cpu_compat` they stay on the CPU.
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -193,7 +208,7 @@ def build_tiny_gpt(
             add_bias_linear=False,
         )
     config = TransformerConfig(**{**kwargs, **config_kwargs})
-    spec = _layer_spec(num_experts, no_attention)
+    spec = _layer_spec(num_experts, no_attention, transformer_impl)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
@@ -218,6 +233,8 @@ def build_tiny_gpt(
 
             # Before DDP, which allocates grad buffers only for trainable parameters.
             apply_lora(model, rank=lora_rank)
+        if torch.cuda.is_available() and not is_cpu_mode():
+            model.cuda(torch.cuda.current_device())
         # As Megatron-LM: only the first chunk's buffer is split into buckets.
         chunks.append(
             DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0)
