@@ -1,5 +1,7 @@
 """Packaging for megatron_lossfix: exact, layout-invariant loss normalization for Megatron-Core."""
 
+from glob import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -14,6 +16,9 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
     package_data={"megatron_lossfix": ["data/*.jsonl"]},
+    # Megatron-LM patches (python -m megatron_lossfix.patches): the repository's patches/ is the
+    # only copy; a non-editable install puts them under <prefix>/share/megatron_lossfix/patches.
+    data_files=[("share/megatron_lossfix/patches", sorted(glob("patches/*.patch")))],
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.14,<0.17",

@@ -15,8 +15,14 @@ from megatron_lossfix.config import MODES, LossFixConfig
 __all__ = ["add_lossfix_args", "from_args"]
 
 
-def add_lossfix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the plugin's flags, in one group, to ``parser`` and return it."""
+def add_lossfix_args(
+    parser: argparse.ArgumentParser, *, megatron_lm: bool = False
+) -> argparse.ArgumentParser:
+    """Add the plugin's flags, in one group, to ``parser`` and return it.
+
+    ``megatron_lm=True`` (the patched Megatron-LM ``pretrain_gpt.py``) also adds
+    ``--lossfix-metrics-out``; the example scripts have their own ``--metrics-out``.
+    """
     group = parser.add_argument_group(
         "megatron_lossfix", "exact, layout-invariant loss normalization"
     )
@@ -65,6 +71,15 @@ def add_lossfix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="largest relative L2 gradient change --lossfix-self-check accepts (default 1e-5 "
         "for fp32; use about 1e-2 with bf16/fp16 compute).",
     )
+    if megatron_lm:
+        group.add_argument(
+            "--lossfix-metrics-out",
+            default=None,
+            metavar="PATH",
+            help="with --loss-reduction: write one JSON line per training iteration (last "
+            "rank): iteration, loss (L, full precision), lm_loss (what Megatron-LM logs), "
+            "grad_norm, num_tokens, num_sequences, step_time_s.",
+        )
     return parser
 
 

@@ -21,8 +21,8 @@ FROZEN = {
 }
 
 
-def _group_actions() -> list[argparse.Action]:
-    parser = add_lossfix_args(argparse.ArgumentParser())
+def _group_actions(**kwargs) -> list[argparse.Action]:
+    parser = add_lossfix_args(argparse.ArgumentParser(), **kwargs)
     groups = [g for g in parser._action_groups if g.title == "megatron_lossfix"]
     assert len(groups) == 1, "all flags live in one 'megatron_lossfix' group"
     return groups[0]._group_actions
@@ -41,8 +41,14 @@ def test_flag_surface_is_frozen():
     assert got == FROZEN
 
 
+def test_megatron_lm_adds_only_its_metrics_file():
+    actions = _group_actions(megatron_lm=True)
+    extra = {a.option_strings[0] for a in actions} - FROZEN.keys()
+    assert extra == {"--lossfix-metrics-out"}
+
+
 def test_every_flag_has_help():
-    for action in _group_actions():
+    for action in _group_actions(megatron_lm=True):
         assert action.help and len(action.help) > 20, action.option_strings
 
 

@@ -1,0 +1,492 @@
+"""Megatron-LM integration: what our patch of Megatron-LM's ``pretrain_gpt.py`` and
+``megatron/training/training.py`` calls (``python -m megatron_lossfix.patches apply PATH``).
+
+The patch itself stays a handful of lines; the code lives here:
+
+- :func:`add_args_provider` composes our flags with Megatron-LM's ``extra_args_provider``.
+- :func:`wrap_forward_backward_func` (called by ``training.py``'s ``train()`` when
+  ``--loss-reduction`` is given) puts :class:`~megatron_lossfix.LossFixSchedule` around
+  Megatron's ``forward_backward_func`` and wraps the user's ``forward_step`` so that the loss
+  function it returns receives ``lossfix=...``: a callable that turns the model's per-token losses
+  into ``(sum(w * l), num_tokens, report)`` with this micro-batch's weights (sliced for context
+  parallelism like Megatron-LM slices the batch).
+- The report is Megatron-LM's ``{"lm loss": [sum, count]}``, which ``train_step`` sums over
+  micro-batches and the DP x CP group and logs as ``sum / count``. We report
+  ``[contribution, indicator]``: the contributions add up to the step's loss L (DESIGN §2) and the
+  indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged ``lm loss`` is L.
+- :func:`enable_cpu_megatron_lm` runs Megatron-LM's training loop on a machine without CUDA
+  (gloo), on top of :func:`megatron_lossfix.cpu_compat.enable_cpu_megatron`.
+
+With ``--loss-reduction`` absent nothing here touches the training step; with ``off`` the step
+is stock Megatron (the plugin only records metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.losses import weighted_loss
+from megatron_lossfix.schedule import LossFixSchedule, StepGroups, resolve_groups
+
+__all__ = [
+    "LOSS_KEY",
+    "MegatronLMLossFix",
+    "add_args_provider",
+    "enable_cpu_megatron_lm",
+    "wrap_forward_backward_func",
+]
+
+#: The report key Megatron-LM's ``pretrain_gpt.py`` logs as ``lm loss``.
+LOSS_KEY = "lm loss"
+
+#: The keyword our patch adds to ``pretrain_gpt.loss_func``.
+LOSS_KWARG = "lossfix"
+
+
+# ---------------------------------------------------------------------------------- flags
+def add_args_provider(
+    extra_args_provider: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An ``extra_args_provider`` that adds our flags after Megatron-LM's own provider (if any).
+
+    It adds :func:`megatron_lossfix.args.add_lossfix_args` with ``--lossfix-metrics-out``.
+    On a machine without CUDA, ``--distributed-backend`` defaults to ``gloo`` (NCCL cannot run
+    there, so no run that could have worked changes).
+    """
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if extra_args_provider is not None:
+            # Megatron-LM's providers return the parser; tolerate ones that return None.
+            parser = extra_args_provider(parser) or parser
+        add_lossfix_args(parser, megatron_lm=True)
+        if not torch.cuda.is_available():
+            parser.set_defaults(distributed_backend="gloo")
+        return parser
+
+    return provider
+
+
+# ---------------------------------------------------------------------------------- the step
+def _current_device() -> torch.device:
+    # Megatron-LM's data loader yields CPU tensors; collectives (NCCL) need them on the GPU.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _MasksToDevice:
+    """The loss stage's data iterator, with each batch's loss mask moved to the device (and, when
+    tensor parallelism is on, broadcast to the other TP ranks, which have no data iterator)."""
+
+    def __init__(self, source: Iterator, mask_key: str, tp_group: Any) -> None:
+        self._source = source
+        self._mask_key = mask_key
+        self._tp_group = tp_group
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._source)
+        if not isinstance(batch, Mapping) or self._mask_key not in batch:
+            return batch  # LossFixSchedule names what is missing
+        mask = batch[self._mask_key].to(_current_device(), non_blocking=True)
+        if self._tp_group is not None:
+            src = dist.get_global_rank(self._tp_group, 0)
+            shape = torch.tensor(mask.shape, dtype=torch.int64, device=mask.device)
+            dist.broadcast(torch.tensor([mask.dim()], device=mask.device), src, self._tp_group)
+            dist.broadcast(shape, src, self._tp_group)
+            mask = mask.float().contiguous()
+            dist.broadcast(mask, src, self._tp_group)
+        return {**batch, self._mask_key: mask}
+
+
+class _ReceivedMasks:
+    """On tensor-parallel ranks other than 0 of the loss stage (Megatron-LM gives them no data
+    iterator): yields ``{mask_key: mask}`` received from TP rank 0, one per micro-batch."""
+
+    def __init__(self, mask_key: str, tp_group: Any) -> None:
+        self._mask_key = mask_key
+        self._tp_group = tp_group
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> dict:
+        device = _current_device()
+        src = dist.get_global_rank(self._tp_group, 0)
+        ndim = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.broadcast(ndim, src, self._tp_group)
+        shape = torch.zeros(int(ndim), dtype=torch.int64, device=device)
+        dist.broadcast(shape, src, self._tp_group)
+        mask = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
+        dist.broadcast(mask, src, self._tp_group)
+        return {self._mask_key: mask}
+
+
+class _Recording:
+    """Passes ``next()`` through and remembers the last item (the micro-batch forward_step
+    read, holding the weights the plugin attached)."""
+
+    def __init__(self, source: Iterator) -> None:
+        self._source = source
+        self.last: Any = None
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> Any:
+        self.last = next(self._source)
+        return self.last
+
+
+def _accepts_kwarg(func: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # builtins, C callables: let the call decide
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _slice_for_cp(weights: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """This CP rank's shard of ``[batch, seq]`` weights, sliced by Megatron's own function (as
+    ``pretrain_gpt.get_batch`` slices tokens, labels and the loss mask)."""
+    if cp_size == 1:
+        return weights
+    from megatron.core import utils
+
+    slice_batch = utils.get_batch_on_this_cp_rank
+    kwargs = (
+        {"is_hybrid_cp": False}
+        if "is_hybrid_cp" in inspect.signature(slice_batch).parameters
+        else {}
+    )
+    return slice_batch({"loss_weights": weights}, **kwargs)["loss_weights"]
+
+
+class MegatronLMLossFix:
+    """Megatron-LM's ``forward_backward_func`` with exact, layout-invariant normalization.
+
+    Wraps :class:`~megatron_lossfix.LossFixSchedule`; what it adds is Megatron-LM's plumbing:
+    data iterators only on tensor-parallel rank 0 (masks are broadcast), ``pretrain_gpt``'s
+    ``get_batch`` dropping unknown batch keys (weights are handed to the loss function as
+    ``lossfix=``), context-parallel slicing, and the ``[sum, count]`` loss report.
+
+    Args:
+        config: the plugin configuration (``off``: stock numerics, metrics only).
+        forward_backward_func: Megatron's schedule (``get_forward_backward_func()``).
+        metrics_out: append one JSON line per step here (last rank), or None.
+    """
+
+    def __init__(
+        self,
+        config: LossFixConfig,
+        forward_backward_func: Callable[..., Any],
+        metrics_out: str | None = None,
+    ) -> None:
+        self.config = config
+        self.schedule = LossFixSchedule(config, forward_backward_func)
+        self.metrics_out = metrics_out
+        self.last_metrics: dict[str, float] | None = None
+        self._indicator_pending = False
+        self._streaming = False
+        self._step_start = 0.0
+
+    @property
+    def last_step(self) -> Any:
+        """The wrapped schedule's record of the last step (read and restored by the
+        self-check, :mod:`megatron_lossfix.selfcheck`)."""
+        return self.schedule.last_step
+
+    @last_step.setter
+    def last_step(self, value: Any) -> None:
+        self.schedule.last_step = value
+
+    # Megatron-LM calls it exactly like the function it replaces.
+    def __call__(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        **kwargs: Any,
+    ) -> list:
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_model_config
+
+        self._step_start = time.perf_counter()
+        chunks = model if isinstance(model, list) else [model]
+        per_token = bool(get_model_config(chunks[0]).calculate_per_token_loss)
+        cfg = self.config
+        # Same rule as LossFixSchedule: these modes use the mask as the weights and leave the
+        # normalization to Megatron, so the report keeps Megatron-LM's [sum, num_tokens].
+        self._streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
+        groups = resolve_groups(kwargs.get("pg_collection"))
+        # [contribution, indicator]: count 1 exactly once per step over the DP x CP group.
+        self._indicator_pending = groups.dp_cp is None or dist.get_rank(groups.dp_cp) == 0
+        tp_group = getattr(kwargs.get("pg_collection"), "tp", None)
+        if tp_group is None:
+            tp_group = ps.get_tensor_model_parallel_group()
+        tp_rank = dist.get_rank(tp_group) if dist.get_world_size(tp_group) > 1 else 0
+        if dist.get_world_size(tp_group) == 1:
+            tp_group = None
+        if groups.is_last_stage:
+            data_iterator = self._loss_stage_iterators(data_iterator, tp_group, tp_rank)
+        result = self.schedule(
+            forward_step_func=self._wrap_forward_step(forward_step_func, tp_rank, groups),
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+        if self.metrics_out is not None:
+            # Collective over DP x CP and PP: every rank runs it, every step.
+            self.last_metrics = self.schedule.step_metrics()
+        return result
+
+    def _loss_stage_iterators(self, data_iterator: Any, tp_group: Any, tp_rank: int) -> Any:
+        key = self.config.loss_mask_key
+        iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+        if tp_rank == 0:
+            if iterators[-1] is not None:
+                iterators[-1] = _MasksToDevice(iterators[-1], key, tp_group)
+        else:
+            iterators[-1] = _ReceivedMasks(key, tp_group)
+        return iterators if isinstance(data_iterator, list) else iterators[0]
+
+    def _wrap_forward_step(
+        self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
+    ) -> Callable:
+        weights_key = self.config.weights_key
+
+        def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
+            batch = None
+            if tp_rank > 0 and groups.is_last_stage and data_iterator is not None:
+                # Receive the mask before forward_step's own TP broadcasts, in the same order
+                # as TP rank 0, whose get_batch reads (and broadcasts) it first.
+                batch = next(data_iterator)
+                inner = data_iterator
+            else:
+                inner = _Recording(data_iterator) if data_iterator is not None else None
+            output, loss_func = forward_step_func(inner, model, *args, **kwargs)
+            if batch is None and inner is not None:
+                batch = inner.last
+            weights = batch.get(weights_key) if isinstance(batch, Mapping) else None
+            if weights is None or self.config.reduction == "off":
+                return output, loss_func  # not the loss chunk, or stock Megatron
+            if (
+                isinstance(batch, Mapping)
+                and (batch.get("cu_seqlens") is not None or batch.get("local_cp_size") is not None)
+                and groups.cp_size > 1
+            ):
+                raise NotImplementedError(
+                    "megatron_lossfix: packed (THD) or hybrid context-parallel batches are not "
+                    "supported with --loss-reduction yet; use --context-parallel-size 1"
+                )
+            if not _accepts_kwarg(loss_func, LOSS_KWARG):
+                raise TypeError(
+                    "megatron_lossfix: the loss function returned by forward_step does not "
+                    "accept lossfix=...; apply our patch to this Megatron-LM checkout "
+                    "(python -m megatron_lossfix.patches apply PATH) or add the keyword"
+                )
+            weights = _slice_for_cp(weights, groups.cp_size)
+            return output, functools.partial(
+                loss_func, **{LOSS_KWARG: functools.partial(self._loss, weights)}
+            )
+
+        return forward_step
+
+    def _loss(self, weights: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+        """``(sum(w * l), num_tokens, {"lm loss": [value, count]})`` for one micro-batch."""
+        if output_tensor.shape != weights.shape:
+            if output_tensor.numel() != weights.numel():
+                raise ValueError(
+                    f"megatron_lossfix: per-token losses {tuple(output_tensor.shape)} do not "
+                    f"match this micro-batch's weights {tuple(weights.shape)}"
+                )
+            output_tensor = output_tensor.reshape(weights.shape)
+        loss, num_tokens, _ = weighted_loss(weights, output_tensor)
+        if self._streaming:
+            count = num_tokens.to(torch.float32)  # weights are the mask: Megatron-LM's report
+        else:
+            count = torch.ones((), dtype=torch.float32, device=loss.device)
+            if not self._indicator_pending:
+                count = count * 0
+            self._indicator_pending = False
+        report = {LOSS_KEY: torch.stack([loss.detach().float(), count]).view(2)}
+        return loss, num_tokens, report
+
+
+def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.Namespace) -> Any:
+    """What the patched ``training.py`` calls when ``--loss-reduction`` is given.
+
+    Returns a :class:`MegatronLMLossFix` (inside the runtime self-check with
+    ``--lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
+    Refuses combinations that would silently bypass the plugin.
+    """
+    config = from_args(args)
+    if config is None:
+        return forward_backward_func
+    reasons = []
+    if getattr(args, "modelopt_enabled", False):
+        reasons.append("ModelOpt (its loss_func replaces pretrain_gpt's)")
+    if getattr(args, "logits_load_dir", None) is not None:
+        reasons.append("--logits-load-dir (offline distillation loss)")
+    scope = [str(s) for s in (getattr(args, "cuda_graph_scope", None) or [])]
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration" or (
+        getattr(args, "cuda_graph_impl", "none") == "local"
+        and any(s.endswith("full_iteration") for s in scope)
+    ):
+        reasons.append("full-iteration CUDA graphs (the step reads its data before the graph)")
+    if getattr(args, "hybrid_context_parallel", False):
+        reasons.append("--hybrid-context-parallel")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1 and getattr(
+        args, "dataloader_inter_document_masking", False
+    ):
+        # Megatron-LM then balances CP shards per sequence; our weights are sliced plainly.
+        reasons.append("--dataloader-inter-document-masking with context parallelism")
+    if reasons:
+        raise ValueError(
+            "megatron_lossfix: --loss-reduction cannot be combined with " + "; ".join(reasons)
+        )
+    wrapper = MegatronLMLossFix(
+        config, forward_backward_func, getattr(args, "lossfix_metrics_out", None)
+    )
+    if wrapper.metrics_out is not None:
+        _record_train_steps(wrapper)
+    from megatron_lossfix.selfcheck import with_self_check
+
+    return with_self_check(wrapper, args)
+
+
+def _record_train_steps(wrapper: MegatronLMLossFix) -> None:
+    """Make ``training.train_step`` append one JSON line per step to ``--lossfix-metrics-out``.
+
+    The log prints the grad norm with 3 decimals; comparisons across layouts need all of them.
+    ``train()`` looks ``train_step`` up at every iteration, so wrapping the module attribute
+    here (called from ``train()`` before its loop) takes effect for this run only.
+    """
+    from megatron.training import training
+
+    train_step = training.train_step
+    if getattr(train_step, "_lossfix_wrapped", False):
+        train_step = train_step.__wrapped__
+    last_rank = dist.get_rank() == dist.get_world_size() - 1
+    if last_rank:
+        open(wrapper.metrics_out, "w").close()
+
+    @functools.wraps(train_step)
+    def recorded_train_step(*args: Any, **kwargs: Any) -> tuple:
+        result = train_step(*args, **kwargs)
+        metrics = wrapper.last_metrics
+        if last_rank and metrics is not None:
+            loss_dict, grad_norm = result[0], result[5]
+            logged = loss_dict.get(LOSS_KEY) if isinstance(loss_dict, Mapping) else None
+            record = {
+                "iteration": int(kwargs.get("iteration", 0) or 0) + 1,
+                "loss": metrics["loss"],
+                "lm_loss": None if logged is None else float(logged),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "num_tokens": int(metrics["num_tokens"]),
+                "num_sequences": int(metrics["num_sequences"]),
+                "step_time_s": time.perf_counter() - wrapper._step_start,
+                "reduction": wrapper.config.reduction,
+            }
+            with open(wrapper.metrics_out, "a") as out:
+                out.write(json.dumps(record) + "\n")
+        wrapper.last_metrics = None
+        return result
+
+    recorded_train_step._lossfix_wrapped = True
+    training.train_step = recorded_train_step
+
+
+# ---------------------------------------------------------------------------------- CPU mode
+_CPU_LM_ENABLED = False
+
+
+def _with_one_device(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` run while ``torch.cuda.device_count()`` reports one device."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        device_count = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.cuda.device_count = device_count
+
+    return wrapper
+
+
+def _preserving_cpu_rng(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` run without advancing the CPU random generator."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+def enable_cpu_megatron_lm() -> bool:
+    """Run Megatron-LM's ``pretrain()`` without CUDA; a no-op (returns False) when CUDA exists.
+
+    Beyond :func:`~megatron_lossfix.cpu_compat.enable_cpu_megatron` (device literals, streams,
+    RNG) Megatron-LM's training package needs: ``initialize_megatron`` asserts CUDA unless
+    ``allow_no_cuda``; ``_initialize_distributed`` and ``_set_random_seed`` build the
+    model-parallel groups and seed the RNG tracker only when ``torch.cuda.device_count() > 0``;
+    ``fused_kernels.load`` builds CUDA kernels with nvcc; the JIT warm-up consumes the CPU
+    generator that CPU initialization uses next.
+    Call it before ``pretrain()``; idempotent.
+    """
+    global _CPU_LM_ENABLED
+    from megatron_lossfix.cpu_compat import enable_cpu_megatron
+
+    if not enable_cpu_megatron():
+        return False
+    if _CPU_LM_ENABLED:
+        return True
+    import importlib
+
+    from megatron.training import initialize, training
+
+    def wrap(module: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
+        # Names differ across Megatron-LM versions: bridge the ones this checkout has.
+        if hasattr(module, name):
+            setattr(module, name, wrapper(getattr(module, name)))
+
+    wrap(training, "initialize_megatron", lambda f: functools.partial(f, allow_no_cuda=True))
+    # Both functions skip model-parallel setup (process groups, the RNG tracker's seeds) when
+    # torch.cuda.device_count() is 0; inside them, our one stand-in "device" is the CPU.
+    wrap(initialize, "_initialize_distributed", _with_one_device)
+    wrap(initialize, "_set_random_seed", _with_one_device)
+    # The JIT warm-up draws random inputs shaped by --micro-batch-size from the "CUDA" generator,
+    # which is the CPU one here, and CPU initialization draws the weights from it next: without
+    # this, the initial weights would depend on the micro-batch size.
+    wrap(initialize, "_warmup_jit_function", _preserving_cpu_rng)
+    # Argument validation asks for the GPU architecture (queries CUDA): none, on CPU.
+    for module_name in ("megatron.training.arguments", "megatron.training.utils"):
+        wrap(importlib.import_module(module_name), "get_device_arch_version", lambda f: lambda: 0)
+    # The legacy fused softmax kernels are CUDA sources built with nvcc; unused on CPU.
+    try:
+        from megatron.legacy import fused_kernels
+    except ImportError:  # gone in newer Megatron-LM
+        fused_kernels = None
+    wrap(fused_kernels, "load", lambda f: lambda args: None)
+    _CPU_LM_ENABLED = True
+    return True

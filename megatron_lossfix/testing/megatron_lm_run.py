@@ -1,0 +1,172 @@
+"""Run Megatron-LM's (patched) ``pretrain_gpt.py`` on this machine and read back what it logged.
+
+For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
+
+- :func:`write_padded_dataset` writes a tiny Megatron indexed dataset (``.bin``/``.idx``) whose
+  documents end in runs of EOD tokens. With ``--eod-mask-loss`` Megatron-LM's own
+  ``GPTDataset`` masks every position whose input is EOD, so loss masks vary strongly between
+  sequences and micro-batches, like padded SFT data (the mock dataset has about one EOD per
+  2,000 tokens: its masks are all ones at small sequence lengths).
+- :func:`tiny_gpt_args` are the flags of a tiny CPU-friendly GPT run.
+- :func:`run_pretrain_gpt` launches ``torchrun ... pretrain_gpt.py`` and parses the log lines
+  and, with ``--lossfix-metrics-out``, the JSON metrics.
+
+    python -m megatron_lossfix.testing.megatron_lm_run write-data /tmp/lf/data/padded
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "RunResult",
+    "megatron_lm_env",
+    "run_pretrain_gpt",
+    "tiny_gpt_args",
+    "write_padded_dataset",
+]
+
+#: NullTokenizer with --vocab-size 256 has ids 0..255 and EOD = 256.
+VOCAB_SIZE = 256
+EOD = VOCAB_SIZE
+
+
+def write_padded_dataset(
+    prefix: str | os.PathLike,
+    *,
+    num_docs: int = 400,
+    seed: int = 0,
+    text_len: tuple[int, int] = (4, 48),
+    pad_len: tuple[int, int] = (1, 48),
+) -> str:
+    """Write ``prefix.bin``/``prefix.idx``: documents of random tokens followed by EOD runs.
+
+    Returns the prefix (what ``--data-path`` takes). Deterministic for a given ``seed``.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(prefix)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(num_docs):
+        text = rng.integers(0, VOCAB_SIZE, size=int(rng.integers(*text_len)))
+        pad = np.full(int(rng.integers(*pad_len)), EOD)
+        builder.add_document(np.concatenate([text, pad]), [len(text) + len(pad)])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def tiny_gpt_args(
+    *,
+    micro_batch_size: int,
+    global_batch_size: int = 8,
+    train_iters: int = 3,
+    data_path: str | None = None,
+    seq_length: int = 64,
+) -> list[str]:
+    """Flags of a tiny GPT that Megatron-LM trains on CPU in seconds per step (local layers,
+    no fused kernels, no dropout, so runs are comparable across layouts)."""
+    args = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+        "--micro-batch-size", str(micro_batch_size),
+        "--global-batch-size", str(global_batch_size),
+        "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE),
+        "--transformer-impl", "local", "--use-cpu-initialization",
+        "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+        "--no-rope-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    ]  # fmt: skip
+    if data_path is None:
+        args.append("--mock-data")
+    else:
+        args += ["--data-path", data_path, "--split", "100,0,0", "--eod-mask-loss"]
+    return args
+
+
+def megatron_lm_env(megatron_lm_path: str | os.PathLike) -> dict[str, str]:
+    """Environment for a Megatron-LM run from this interpreter.
+
+    ``megatron_lm_path`` goes first on ``PYTHONPATH`` (its ``megatron`` package, not an
+    installed megatron-core). Megatron-LM compiles its dataset helpers on first use with
+    ``make``, which calls ``python3`` (needs pybind11) and ``python3-config``: put this
+    interpreter and its base installation first on ``PATH`` so both match it.
+    """
+    env = dict(os.environ)
+    bins = [os.path.dirname(sys.executable), os.path.join(sys.base_prefix, "bin")]
+    env["PATH"] = os.pathsep.join([*bins, env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(megatron_lm_path), env.get("PYTHONPATH", "")) if p
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Megatron-LM's argument check demands it for tensor parallelism before Blackwell.
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return env
+
+
+_LOG_LINE = re.compile(
+    r"iteration\s+(\d+)/.*?lm loss: ([0-9.eE+-]+) \|.*?grad norm: ([0-9.eE+-]+) \|"
+)
+
+
+@dataclass
+class RunResult:
+    """What one ``pretrain_gpt.py`` run logged."""
+
+    returncode: int
+    output: str
+    logged: list[dict] = field(default_factory=list)
+    """Per logged iteration: ``iteration``, ``lm_loss`` and ``grad_norm`` as printed."""
+    metrics: list[dict] = field(default_factory=list)
+    """The ``--lossfix-metrics-out`` records (full precision), if requested."""
+
+
+def run_pretrain_gpt(
+    megatron_lm_path: str | os.PathLike,
+    args: Sequence[str],
+    *,
+    nproc: int = 1,
+    metrics_out: str | os.PathLike | None = None,
+    timeout: float = 900,
+) -> RunResult:
+    """``torchrun --standalone --nproc-per-node NPROC PATH/pretrain_gpt.py ARGS``."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), str(Path(megatron_lm_path) / "pretrain_gpt.py"), *args,
+    ]  # fmt: skip
+    if metrics_out is not None:
+        cmd += ["--lossfix-metrics-out", str(metrics_out)]
+    proc = subprocess.run(
+        cmd,
+        cwd=str(megatron_lm_path),
+        env=megatron_lm_env(megatron_lm_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    logged = [
+        {"iteration": int(m[1]), "lm_loss": float(m[2]), "grad_norm": float(m[3])}
+        for m in _LOG_LINE.finditer(output)
+    ]
+    metrics = []
+    if metrics_out is not None and Path(metrics_out).exists():
+        metrics = [json.loads(line) for line in Path(metrics_out).read_text().splitlines()]
+    return RunResult(proc.returncode, output, logged, metrics)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "write-data":
+        sys.exit("usage: python -m megatron_lossfix.testing.megatron_lm_run write-data PREFIX")
+    print(write_padded_dataset(sys.argv[2]))

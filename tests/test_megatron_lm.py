@@ -1,0 +1,160 @@
+"""Unit tests of ``megatron_lossfix.megatron_lm``, the code our Megatron-LM patch calls.
+
+No Megatron-LM checkout needed (``tests/test_patches.py`` runs the real one when
+``MEGATRON_LM_PATH`` is set): flag composition, the refusals, the forward-step wrapper and the
+``[contribution, indicator]`` report that makes Megatron-LM log the global loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.megatron_lm import (
+    LOSS_KEY,
+    MegatronLMLossFix,
+    add_args_provider,
+    wrap_forward_backward_func,
+)
+from megatron_lossfix.schedule import StepGroups
+
+NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
+
+
+def _megatron_like_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed-backend", default="nccl")
+    return parser
+
+
+def test_args_provider_composes_with_an_existing_provider() -> None:
+    def modelopt_like(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--export-te-mcore-model", action="store_true")
+        return parser
+
+    parser = add_args_provider(modelopt_like)(_megatron_like_parser())
+    args = parser.parse_args(
+        ["--export-te-mcore-model", "--loss-reduction", "sequence_mean", "--lossfix-metrics-out",
+         "m.jsonl"]
+    )  # fmt: skip
+    assert args.export_te_mcore_model and args.loss_reduction == "sequence_mean"
+    assert args.lossfix_metrics_out == "m.jsonl"
+    # Providers that return None (and no provider at all) work too.
+    for provider in (lambda p: None, None):
+        args = add_args_provider(provider)(_megatron_like_parser()).parse_args([])
+        assert "loss_reduction" in vars(args) and args.loss_reduction is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default")
+def test_gloo_is_the_default_backend_without_cuda() -> None:
+    args = add_args_provider()(_megatron_like_parser()).parse_args([])
+    assert args.distributed_backend == "gloo"
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return add_args_provider()(_megatron_like_parser()).parse_args(
+        [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    )
+
+
+def test_wrap_forward_backward_func() -> None:
+    def stock(**kwargs: object) -> list:
+        return []
+
+    assert wrap_forward_backward_func(stock, _args()) is stock  # no flag: untouched
+    wrapped = wrap_forward_backward_func(stock, _args(loss_reduction="token_mean"))
+    assert isinstance(wrapped, MegatronLMLossFix)
+    assert wrapped.config.reduction == "token_mean" and wrapped.metrics_out is None
+    for extra in (
+        {"modelopt_enabled": True},
+        {"logits_load_dir": "/teacher"},
+        {"cuda_graph_impl": "full_iteration"},
+        {"cuda_graph_impl": "local", "cuda_graph_scope": ["CudaGraphScope.full_iteration"]},
+        {"hybrid_context_parallel": True},
+        {"context_parallel_size": 2, "dataloader_inter_document_masking": True},
+    ):
+        args = _args(loss_reduction="token_mean")
+        vars(args).update(extra)
+        with pytest.raises(ValueError, match="cannot be combined"):
+            wrap_forward_backward_func(stock, args)
+
+
+def _wrapper(reduction: str = "token_mean") -> MegatronLMLossFix:
+    return MegatronLMLossFix(LossFixConfig(reduction=reduction), lambda **kw: [])
+
+
+def test_report_counts_one_once_per_step() -> None:
+    wrapper = _wrapper()
+    wrapper._indicator_pending = True
+    weights = torch.tensor([[0.25, 0.25, 0.0], [0.5, 0.0, 0.0]])
+    losses = torch.tensor([[1.0, 2.0, float("nan")], [4.0, 5.0, 6.0]])
+    reports = []
+    for _ in range(3):
+        loss, num_tokens, report = wrapper._loss(weights, losses)
+        reports.append(report[LOSS_KEY])
+    assert float(loss) == pytest.approx(0.25 + 0.5 + 2.0) and int(num_tokens) == 3
+    # Megatron-LM logs sum(values) / sum(counts): with counts 1, 0, 0 that is the summed loss.
+    assert [float(r[1]) for r in reports] == [1.0, 0.0, 0.0]
+    total = torch.stack(reports).sum(0)
+    assert float(total[0] / total[1]) == pytest.approx(3 * 2.75)
+
+
+def test_report_in_streaming_mode_is_megatron_lms_own() -> None:
+    wrapper = _wrapper()
+    wrapper._streaming = True  # per-token token_mean: the weights are the mask
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    _, _, report = wrapper._loss(mask, torch.tensor([[3.0, 5.0, 7.0]]))
+    assert report[LOSS_KEY].tolist() == [8.0, 2.0]
+
+
+def test_loss_shapes() -> None:
+    wrapper = _wrapper()
+    weights = torch.ones(2, 3)
+    loss, _, _ = wrapper._loss(weights, torch.arange(6.0))  # flat losses are reshaped
+    assert float(loss) == 15.0
+    with pytest.raises(ValueError, match="do not match"):
+        wrapper._loss(weights, torch.ones(5))
+
+
+def test_forward_step_hands_the_weights_to_the_loss_function() -> None:
+    wrapper = _wrapper()
+    weights = torch.tensor([[0.5, 0.5]])
+    seen = {}
+
+    def loss_func(loss_mask, output_tensor, model=None, lossfix=None):
+        seen["lossfix"] = lossfix
+        return lossfix(output_tensor) if lossfix is not None else (output_tensor.sum(), 2, {})
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)  # as pretrain_gpt's get_batch does, dropping loss_weights
+        return torch.tensor([[2.0, 4.0]]), partial(loss_func, batch["loss_mask"], model=model)
+
+    step = wrapper._wrap_forward_step(forward_step, tp_rank=0, groups=NO_GROUPS)
+    batch = {"loss_mask": torch.ones(1, 2), "loss_weights": weights}
+    output, loss = step(iter([batch]), model=None)
+    value, num_tokens, report = loss(output)
+    assert float(value) == 3.0 and int(num_tokens) == 2 and LOSS_KEY in report
+    assert seen["lossfix"] is not None
+
+    # A chunk whose batch has no weights (not the loss stage) keeps its loss function.
+    output, loss = step(iter([{"loss_mask": torch.ones(1, 2)}]), model=None)
+    assert loss(output)[0] == 6.0 and seen["lossfix"] is None
+    # `off` is stock Megatron: no weights handed over.
+    off = _wrapper("off")._wrap_forward_step(forward_step, tp_rank=0, groups=NO_GROUPS)
+    output, loss = off(iter([batch]), model=None)
+    assert loss(output)[0] == 6.0 and seen["lossfix"] is None
+
+
+def test_unpatched_loss_function_is_refused_clearly() -> None:
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        return torch.ones(1, 2), lambda output_tensor: (output_tensor.sum(), 2, {})
+
+    step = _wrapper()._wrap_forward_step(forward_step, tp_rank=0, groups=NO_GROUPS)
+    batch = {"loss_mask": torch.ones(1, 2), "loss_weights": torch.ones(1, 2)}
+    with pytest.raises(TypeError, match="megatron_lossfix.patches apply"):
+        step(iter([batch]), model=None)
