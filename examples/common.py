@@ -1,0 +1,299 @@
+"""What the example scripts share: Megatron-LM flags, start-up, model and optimizer, one training
+step through the plugin's schedule, and the per-iteration metrics record and log line.
+
+``pretrain_gpt.py`` and ``grpo_gpt.py`` differ only in their data and their loss; everything
+here is the same code for both, so a layout behaves the same way in either script. Imported as
+``from common import ...``: the scripts run as files, which puts this directory on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_lossfix import LossFixConfig, LossFixSchedule
+from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.datasets import ByteTokenizer
+from megatron_lossfix.testing.tiny_gpt import (
+    Layout,
+    build_tiny_gpt,
+    init_layout,
+    set_deterministic_params,
+)
+
+__all__ = ["ExampleRun", "add_common_args", "add_lossfix_flags", "build_model"]
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Add the Megatron-LM flags both scripts take; return their groups by name (``model``,
+    ``parallelism``, ``training``, ``output``) so a script can add its own flags beside them.
+
+    Script-specific defaults go through ``parser.set_defaults``.
+    """
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    model.add_argument("--hidden-size", type=int, default=64, help="hidden size")
+    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    model.add_argument("--seq-length", type=int, default=128, help="tokens per sequence")
+    model.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer")
+    model.add_argument(
+        "--moe-aux-loss-coeff", type=float, default=0.0, help="MoE load-balancing loss weight"
+    )
+    model.add_argument(
+        "--no-attention",
+        action="store_true",
+        help="replace self-attention by identity (layers mix nothing across tokens): only for "
+        "testing context parallelism on CPU where Transformer Engine is absent",
+    )
+    par = parser.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
+    par.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="layers per virtual stage (interleaved 1F1B schedule)",
+    )
+    par.add_argument("--context-parallel-size", type=int, default=1, help="CP size")
+    par.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size")
+    train = parser.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    train.add_argument("--global-batch-size", type=int, default=16, help="sequences per step")
+    train.add_argument("--train-iters", type=int, default=200, help="optimizer steps")
+    train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    train.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm")
+    train.add_argument("--seed", type=int, default=1234, help="seed of data order and weights")
+    output = parser.add_argument_group("data and output")
+    output.add_argument(
+        "--metrics-out", default=None, help="append one JSON object per iteration (rank 0)"
+    )
+    output.add_argument("--log-interval", type=int, default=1, help="iterations between logs")
+    return {"model": model, "parallelism": par, "training": train, "output": output}
+
+
+def add_lossfix_flags(parser: argparse.ArgumentParser) -> None:
+    """The plugin's flags, on by default in the examples (``--loss-reduction token_mean``)."""
+    add_lossfix_args(parser)
+    parser.set_defaults(loss_reduction="token_mean")
+
+
+def _init_distributed() -> str:
+    """Start torch.distributed from torchrun's environment; bridge Megatron to CPU if needed."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    enable_cpu_megatron()
+    # Ranks of one machine share its cores; oversubscription makes every rank slower. An explicit
+    # OMP_NUM_THREADS wins (on a busy machine one thread per rank beats spinning OMP workers).
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    share = max(1, (os.cpu_count() or 1) // dist.get_world_size())
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else share)
+    return backend
+
+
+def _layout_of(args: argparse.Namespace) -> tuple[Layout, int | None]:
+    vpp = None
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+    layout = Layout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        vpp=vpp,
+        cp=args.context_parallel_size,
+        ep=args.expert_model_parallel_size,
+    )
+    return layout, vpp
+
+
+@dataclass
+class ExampleRun:
+    """One training run of an example script: process groups, model chunks, optimizer, the
+    plugin's schedule, and the metrics file. Build it with :meth:`start`."""
+
+    args: argparse.Namespace
+    config: LossFixConfig
+    backend: str
+    layout: Layout
+    vpp: int | None
+    dp: int
+    dp_rank: int
+    tokenizer: ByteTokenizer
+    chunks: list
+    model_config: Any
+    optimizer: Any
+    schedule: LossFixSchedule
+    rank0: bool
+    device: torch.device
+    _out: IO[str] | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, *, calculate_per_token_loss: bool = False):
+        """Initialize distributed and Megatron's parallel state, build the tiny GPT (same global
+        weights for every layout), its Adam optimizer and the plugin's schedule."""
+        config = from_args(args) or LossFixConfig(reduction="token_mean")
+        backend = _init_distributed()
+
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        layout, vpp = _layout_of(args)
+        layout = init_layout(layout)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        if args.global_batch_size % (dp * args.micro_batch_size):
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} must be divisible by data-parallel "
+                f"size {dp} x --micro-batch-size {args.micro_batch_size}"
+            )
+        tokenizer = ByteTokenizer()
+        chunks, model_config = build_model(args, layout, tokenizer, calculate_per_token_loss)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=args.lr, clip_grad=args.clip_grad, weight_decay=0.0
+            ),
+            chunks,
+        )
+        rank0 = dist.get_rank() == 0
+        return cls(
+            args=args,
+            config=config,
+            backend=backend,
+            layout=layout,
+            vpp=vpp,
+            dp=dp,
+            dp_rank=dp_rank,
+            tokenizer=tokenizer,
+            chunks=chunks,
+            model_config=model_config,
+            optimizer=optimizer,
+            schedule=LossFixSchedule(config),
+            rank0=rank0,
+            # Where the model lives (tiny_gpt moves it to the GPU on NCCL runs).
+            device=torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu"),
+            _out=open(args.metrics_out, "w") if (args.metrics_out and rank0) else None,
+        )
+
+    @property
+    def microbatches_per_rank(self) -> int:
+        return self.args.global_batch_size // (self.dp * self.args.micro_batch_size)
+
+    def banner(self, **extra: Any) -> None:
+        """Print the run's layout once (rank 0); ``extra`` items go before the backend."""
+        if not self.rank0:
+            return
+        layout = self.layout
+        items = "".join(f"{key}={value} " for key, value in extra.items())
+        print(
+            f"megatron_lossfix: reduction={self.config.reduction} TP={layout.tp} PP={layout.pp} "
+            f"VPP={self.vpp} CP={layout.cp} EP={layout.ep} DP={self.dp} micro-batches/rank="
+            f"{self.microbatches_per_rank} {items}backend={self.backend}",
+            flush=True,
+        )
+
+    def train_step(self, forward_step: Callable, mbs: Sequence[dict]) -> tuple[float, dict]:
+        """One optimizer step over this rank's micro-batches; returns the grad norm (before
+        clipping, over all shards) and the step's global metrics (``schedule.step_metrics``)."""
+        args, chunks = self.args, self.chunks
+        # The data is built on the host; a no-op on CPU runs.
+        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # Every model chunk (virtual pipeline stage) reads the same micro-batches.
+        iterators = [iter(mbs) for _ in chunks]
+        self.schedule(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm), self.schedule.step_metrics()
+
+    def report(
+        self,
+        iteration: int,
+        step_time: float,
+        grad_norm: float,
+        metrics: dict,
+        *,
+        loss_name: str = "lm loss",
+        record: dict | None = None,
+        log_items: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """Write the iteration's metrics record and print a Megatron-LM style log line (rank 0).
+
+        The record holds DESIGN §3's fields (plus ``num_sequences`` and ``reduction``), then
+        ``record``; the line ends with ``log_items`` as ``label: value`` pairs."""
+        if not self.rank0:
+            return
+        args = self.args
+        line = {
+            "iteration": iteration,
+            "loss": metrics["loss"],
+            "grad_norm": grad_norm,
+            "num_tokens": int(metrics["num_tokens"]),
+            "num_sequences": int(metrics["num_sequences"]),
+            "step_time_s": step_time,
+            "reduction": self.config.reduction,
+            **(record or {}),
+        }
+        if self._out is not None:
+            self._out.write(json.dumps(line) + "\n")
+            self._out.flush()
+        if iteration % args.log_interval == 0:
+            extra = "".join(f" {label}: {value} |" for label, value in log_items)
+            print(
+                f" iteration {iteration:8d}/{args.train_iters:8d} |"
+                f" consumed samples: {iteration * args.global_batch_size:10d} |"
+                f" elapsed time per iteration (ms): {1000 * step_time:.1f} |"
+                f" learning rate: {args.lr:.3E} | global batch size: {args.global_batch_size:5d} |"
+                f" {loss_name}: {metrics['loss']:.6E} | grad norm: {grad_norm:.6E} |"
+                f" num tokens: {int(metrics['num_tokens'])} |{extra}",
+                flush=True,
+            )
+
+    def finish(self) -> None:
+        """Close the metrics file and leave the process group (every rank)."""
+        if self._out is not None:
+            self._out.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def build_model(
+    args: argparse.Namespace,
+    layout: Layout,
+    tokenizer: ByteTokenizer,
+    calculate_per_token_loss: bool = False,
+) -> tuple[list, Any]:
+    """This rank's GPT chunks (Megatron DDP) from the model flags, with the global weights that
+    ``--seed`` gives under any layout, so runs can be compared step by step."""
+    chunks, model_config = build_tiny_gpt(
+        layout,
+        num_layers=args.num_layers,
+        hidden=args.hidden_size,
+        heads=args.num_attention_heads,
+        vocab=tokenizer.padded_vocab_size(8),
+        seq_len=args.seq_length,
+        num_experts=args.num_experts,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        no_attention=args.no_attention,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    set_deterministic_params(chunks, args.seed)
+    return chunks, model_config

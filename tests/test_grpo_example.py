@@ -1,0 +1,232 @@
+"""End-to-end: ``examples/grpo_gpt.py`` under torchrun, and its rollout handling in-process.
+
+Replayed rollouts (``--rollouts``) under two layouts must give the same loss and grad norm (1e-5
+relative, 3 iterations) and the same RL statistics; with ``--loss-reduction off`` they must not.
+A short sampling-mode run checks that the sample -> reward -> GRPO -> update loop completes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from test_examples import ROOT, TOL, max_rel_diff, run_example
+
+SCRIPT = "grpo_gpt.py"
+#: log(1/264): every token's log-prob under the (near-uniform) initial model.
+UNIFORM_LOGP = -math.log(264)
+RL_STATS = ("pg_loss", "entropy", "kl", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+            "ratio_mean", "ratio_min", "ratio_max")  # fmt: skip
+
+
+def write_rollouts(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """Deterministic rollouts of very different lengths; two in three carry ``old_logprobs``
+    (off-policy: ratios far enough from 1 to clip, a few past the dual-clip bound), the rest are
+    on-policy; every one carries ``ref_logprobs``."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 8))]
+            response = [rng.randrange(258) for _ in range(rng.randint(1, 24))]
+            record = {"prompt_ids": prompt, "response_ids": response,
+                      "advantage": round(rng.gauss(0.0, 1.0), 4)}  # fmt: skip
+            if i % 3:
+                record["old_logprobs"] = [UNIFORM_LOGP + rng.gauss(0, 0.6) for _ in response]
+            record["ref_logprobs"] = [UNIFORM_LOGP + rng.gauss(0, 0.3) for _ in response]
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> Path:
+    return write_rollouts(tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl")
+
+
+def common(rollouts: Path) -> list[str]:
+    return ["--rollouts", str(rollouts), "--train-iters", "3", "--global-batch-size", "12",
+            "--seq-length", "32", "--hidden-size", "32", "--num-layers", "2"]  # fmt: skip
+
+
+def assert_rl_stats_agree(one: list[dict], two: list[dict]) -> None:
+    for a, b in zip(one, two, strict=True):
+        for key in RL_STATS:
+            if a[key] is None or b[key] is None:
+                assert a[key] is b[key] is None, (key, a[key], b[key])
+            else:
+                assert math.isclose(a[key], b[key], rel_tol=TOL, abs_tol=1e-7), (key, a, b)
+
+
+PPO = ["--dual-clip-c", "2"]
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(rollouts, tmp_path_factory) -> list[dict]:
+    """One rank, one micro-batch: the layout every other PPO run is compared with."""
+    out = tmp_path_factory.mktemp("ppo") / "one.jsonl"
+    return run_example(SCRIPT, 1, out, *common(rollouts), *PPO, "--micro-batch-size", "12")
+
+
+def test_ppo_rollouts_layouts_agree(tmp_path, rollouts, ppo_reference):
+    """DP=2 with 3 micro-batches per rank against one rank with one micro-batch; the RL
+    statistics agree too."""
+    # check_finite also inspects every micro-batch input: the rollout tensors must be finite.
+    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *common(rollouts), *PPO,
+                      "--micro-batch-size", "2", "--lossfix-check-finite")  # fmt: skip
+    one = ppo_reference
+    assert len(one) == len(two) == 3
+    for rec in one:
+        assert {"iteration", "loss", "grad_norm", "num_tokens", "step_time_s", *RL_STATS} <= set(
+            rec
+        )
+    assert [r["num_tokens"] for r in one] == [r["num_tokens"] for r in two]
+    loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
+    assert loss_diff <= TOL and norm_diff <= TOL, (loss_diff, norm_diff, one, two)
+    assert_rl_stats_agree(one, two)
+    # The data really exercises the clipped branches (else the invariance would be weaker).
+    assert max(r["clip_frac_low"] for r in one) > 0 and max(r["clip_frac_high"] for r in one) > 0
+    assert max(r["dual_clip_frac"] for r in one) > 0
+    assert all(r["ratio_min"] < 1 < r["ratio_max"] for r in one)
+
+
+def test_ppo_rollouts_stock_megatron_disagrees(tmp_path, rollouts, ppo_reference):
+    """With the plugin off, the 2-rank, 3-micro-batch run averages per micro-batch. (With one
+    micro-batch on one rank, off and token_mean are the same computation.)"""
+    off = run_example(SCRIPT, 2, tmp_path / "off.jsonl", *common(rollouts), *PPO,
+                      "--micro-batch-size", "2", "--loss-reduction", "off")  # fmt: skip
+    loss_diff = max_rel_diff(ppo_reference, off, "loss")
+    norm_diff = max_rel_diff(ppo_reference, off, "grad_norm")
+    assert max(loss_diff, norm_diff) > 1e-3, f"stock Megatron agreed: {loss_diff}, {norm_diff}"
+
+
+# GSPO with every regularizer, sequence-level weights; attention-free so that CP2 is exact on CPU.
+GSPO = ["--policy-loss", "gspo", "--kl-coef", "0.1", "--kl-estimator", "k3",
+        "--entropy-coef", "0.01", "--loss-reduction", "sequence_mean", "--no-attention",
+        "--clip-eps-high", "0.28"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gspo_reference(rollouts, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("gspo") / "one.jsonl"
+    return run_example(SCRIPT, 1, out, *common(rollouts), *GSPO, "--micro-batch-size", "12")
+
+
+@pytest.mark.parametrize(
+    "layout_args",
+    [
+        ["--tensor-model-parallel-size", "2", "--micro-batch-size", "4"],
+        ["--context-parallel-size", "2", "--micro-batch-size", "4"],
+    ],
+    ids=["tp2", "cp2"],
+)
+def test_gspo_kl_entropy_layouts_agree(tmp_path, rollouts, gspo_reference, layout_args):
+    """Vocab-parallel log-probs and entropy (TP2), sequence ratios and weights split over CP
+    ranks (CP2); 3 micro-batches each, against one rank with one micro-batch."""
+    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *common(rollouts), *GSPO, *layout_args)
+    one = gspo_reference
+    loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
+    assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff, one, two)
+    assert_rl_stats_agree(one, two)
+    assert all(r["kl"] > 0 and r["entropy"] > 0 for r in one)
+
+
+SAMPLING = ["--train-iters", "3", "--prompts-per-step", "3", "--num-generations", "4",
+            "--micro-batch-size", "3", "--max-new-tokens", "6", "--hidden-size", "32",
+            "--kl-coef", "0.05"]  # fmt: skip
+
+
+def test_sampling_mode_runs_and_is_layout_free(tmp_path):
+    """Sample -> reward -> GRPO advantages -> update, with the KL reference model, on 2 DP ranks
+    (prompt groups of 4 straddle their slices of 6) and on 1: rewards are fractions in [0, 1],
+    and the sampling noise belongs to the sequence, so both runs draw the same responses and
+    take the same steps."""
+    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *SAMPLING)
+    one = run_example(SCRIPT, 1, tmp_path / "one.jsonl", *SAMPLING)
+    assert [r["iteration"] for r in two] == [1, 2, 3]
+    for rec in two:
+        assert 0.0 <= rec["reward_mean"] <= 1.0
+        assert 0.0 < rec["response_length_mean"] <= 6
+        assert rec["num_sequences"] == 12 and rec["num_tokens"] > 0
+        assert math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
+        assert rec["kl"] is not None and rec["kl"] >= 0
+        assert rec["ratio_min"] == pytest.approx(1.0) == rec["ratio_max"]  # on-policy
+    assert two[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before updates
+    assert [r["reward_mean"] for r in one] == [r["reward_mean"] for r in two]
+    assert max_rel_diff(one, two, "grad_norm") <= TOL
+    # On-policy, equal-length groups: the loss can be ~0, so compare it absolutely.
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(one, two, strict=True))
+
+
+# ------------------------------------------------------------------ in-process: rollout files
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    spec = importlib.util.spec_from_file_location("grpo_gpt", ROOT / "examples" / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_encode_rollouts_puts_response_tokens_under_the_mask(grpo):
+    records = [
+        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "advantage": 0.5,
+         "old_logprobs": [-1.0, -2.0], "ref_logprobs": [-3.0, -4.0]},
+        {"prompt_ids": [7], "response_ids": [8, 9, 10], "advantage": -1.0,
+         "old_logprobs": None, "ref_logprobs": [-1.0, -1.0, -1.0]},
+    ]  # fmt: skip
+    batch = grpo.encode_rollouts(records, 6, 256, with_ref=True)
+    assert batch["tokens"][0].tolist() == [1, 2, 3, 4, 256, 256]
+    assert batch["labels"][0].tolist() == [2, 3, 4, 5, 256, 256]
+    assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert batch["advantages"][0].tolist() == [0, 0, 0.5, 0.5, 0, 0]
+    assert batch["old_logprobs"][0, 2:4].tolist() == [-1.0, -2.0]
+    assert batch["ref_logprobs"][0, 2:4].tolist() == [-3.0, -4.0]
+    # A one-token prompt: the first response token is predicted at position 0.
+    assert batch["loss_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]
+    assert batch["has_old_logprobs"][0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert not batch["has_old_logprobs"][1].any()  # on-policy: no recorded log-probs
+
+
+@pytest.mark.parametrize(
+    ("record", "kwargs", "message"),
+    [
+        ({"prompt_ids": [1], "response_ids": [2], "advantage": 1.0}, {"need_ref": True},
+         "ref_logprobs"),
+        ({"prompt_ids": [1], "response_ids": [2, 3], "advantage": 1.0, "old_logprobs": [0.0]},
+         {}, "one log-prob per response token"),
+        ({"prompt_ids": [1] * 8, "response_ids": [2] * 8, "advantage": 1.0}, {},
+         "--seq-length"),
+        ({"prompt_ids": [], "response_ids": [2], "advantage": 1.0}, {}, "empty"),
+        ({"prompt_ids": [1], "response_ids": [999], "advantage": 1.0}, {}, "vocabulary"),
+        ({"prompt_ids": [1], "response_ids": [2], "advantage": "high"}, {}, "advantage"),
+    ],
+    ids=["missing-ref", "logprob-length", "too-long", "empty-prompt", "bad-id", "bad-advantage"],
+)  # fmt: skip
+def test_load_rollouts_rejects_bad_records(grpo, tmp_path, record, kwargs, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=message) as info:
+        grpo.load_rollouts(str(path), vocab=264, seq_length=12, **{"need_ref": False, **kwargs})
+    assert "line 1" in str(info.value)
+
+
+def test_sampling_flags_are_checked(grpo):
+    args = grpo.parse_args(["--prompts-per-step", "3", "--num-generations", "4"])
+    assert args.global_batch_size == 12
+    args = grpo.parse_args(["--global-batch-size", "32", "--num-generations", "8"])
+    assert args.prompts_per_step == 4
+    for bad in (["--global-batch-size", "10", "--num-generations", "4"],
+                ["--policy-loss", "gspo", "--dual-clip-c", "3"],
+                ["--temperature", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            grpo.parse_args(bad)
+
+
+def test_task_reward_counts_class_bytes_and_penalizes_early_stop(grpo):
+    digits = frozenset(b"0123456789")
+    assert grpo.task_reward(list(b"12a4"), digits, 257, 4) == 0.75
+    assert grpo.task_reward([*b"12", 257], digits, 257, 4) == 0.5  # eos: the rest scores 0
