@@ -22,6 +22,7 @@ from megatron_lossfix import LossFixConfig, LossFixSchedule
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.datasets import ByteTokenizer
+from megatron_lossfix.selfcheck import with_self_check
 from megatron_lossfix.testing.tiny_gpt import (
     Layout,
     build_tiny_gpt,
@@ -46,6 +47,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
     model.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer")
     model.add_argument(
         "--moe-aux-loss-coeff", type=float, default=0.0, help="MoE load-balancing loss weight"
+    )
+    model.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer implementation: Megatron's local modules, or Transformer Engine (CUDA "
+        "only; its attention supports context parallelism)",
     )
     model.add_argument(
         "--no-attention",
@@ -131,7 +139,7 @@ class ExampleRun:
     chunks: list
     model_config: Any
     optimizer: Any
-    schedule: LossFixSchedule
+    schedule: Any  # LossFixSchedule, or SelfCheckingSchedule around it
     rank0: bool
     device: torch.device
     _out: IO[str] | None = field(default=None, repr=False)
@@ -175,7 +183,8 @@ class ExampleRun:
             chunks=chunks,
             model_config=model_config,
             optimizer=optimizer,
-            schedule=LossFixSchedule(config),
+            # --lossfix-self-check re-splits the first step and fails loudly on a mismatch.
+            schedule=with_self_check(LossFixSchedule(config), args),
             rank0=rank0,
             # Where the model lives (tiny_gpt moves it to the GPU on NCCL runs).
             device=torch.device("cuda", torch.cuda.current_device())
@@ -294,6 +303,7 @@ def build_model(
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         no_attention=args.no_attention,
         calculate_per_token_loss=calculate_per_token_loss,
+        transformer_impl=args.transformer_impl,
     )
     set_deterministic_params(chunks, args.seed)
     return chunks, model_config
