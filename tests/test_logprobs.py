@@ -8,14 +8,9 @@ vocabulary over two gloo processes, started once for all TP cases.
 
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_lossfix.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
@@ -166,38 +161,22 @@ TP_CASES = [
 ]
 
 
-def _tp_worker(rank: int, init_file: str, out_dir: str) -> None:
-    # Gloo binds to the address the hostname resolves to; in containers only loopback is sure.
-    if "lo" in [name for _, name in socket.if_nameindex()]:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=TP,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results = []
-        for shape, vocab, dtype, chunk, seed in TP_CASES:
-            logits, target, g_l, g_h = make_case(shape, vocab, dtype, seed)
-            v_local = vocab // TP
-            shard = logits[..., rank * v_local : (rank + 1) * v_local]
-            results.append(
-                kernel(shard, target, g_l, g_h, tp_group=dist.group.WORLD, chunk_size=chunk)
-            )
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _tp_rank_results() -> list:
+    """In a pool rank of a TP=2 world: every TP case on this rank's half of the vocabulary."""
+    rank = dist.get_rank()
+    results = []
+    for shape, vocab, dtype, chunk, seed in TP_CASES:
+        logits, target, g_l, g_h = make_case(shape, vocab, dtype, seed)
+        v_local = vocab // TP
+        shard = logits[..., rank * v_local : (rank + 1) * v_local]
+        results.append(kernel(shard, target, g_l, g_h, tp_group=dist.group.WORLD, chunk_size=chunk))
+    return results
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
-    """Run every TP case once in 2 fresh gloo processes; per case, per rank (logp, H, d shard)."""
-    tmp = tmp_path_factory.mktemp("tp")
-    mp.spawn(_tp_worker, args=(str(tmp / "init"), str(tmp)), nprocs=TP, join=True)
-    per_rank = [torch.load(tmp / f"rank{r}.pt") for r in range(TP)]
+def tp_results(dist_pool):
+    """Every TP case once on 2 pool ranks; per case, per rank (logp, H, d shard)."""
+    per_rank = dist_pool.run(_tp_rank_results, TP)
     return [tuple(rank_res[i] for rank_res in per_rank) for i in range(len(TP_CASES))]
 
 

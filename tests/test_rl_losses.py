@@ -9,15 +9,11 @@ ratios kept away from the clip boundaries, so bf16 rounding cannot flip a clip d
 from __future__ import annotations
 
 import math
-import os
-import socket
 import statistics
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -273,34 +269,21 @@ def _cp_case():
     return logp, old, adv, mask, seq_constant_weights(mask, "sequence_mean")
 
 
-def _cp_worker(rank: int, init_file: str, out_dir: str) -> None:
-    # Gloo binds to the address the hostname resolves to; in containers only loopback is sure.
-    if "lo" in [name for _, name in socket.if_nameindex()]:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=CP,
-        timeout=timedelta(seconds=60),
+def _cp_rank_result():
+    """In a pool rank of a CP=2 world: this rank's share of the GSPO loss and gradient."""
+    rank = dist.get_rank()
+    logp, old, adv, mask, w = _cp_case()
+    sl = slice(0, CP_SPLIT) if rank == 0 else slice(CP_SPLIT, None)
+    x = leaf(logp[:, sl])
+    loss, ind = gspo_token_loss(
+        x, old[:, sl], adv, mask[:, sl], eps_low=0.1, eps_high=0.1, cp_group=dist.group.WORLD
     )
-    try:
-        logp, old, adv, mask, w = _cp_case()
-        sl = slice(0, CP_SPLIT) if rank == 0 else slice(CP_SPLIT, None)
-        x = leaf(logp[:, sl])
-        loss, ind = gspo_token_loss(
-            x, old[:, sl], adv, mask[:, sl], eps_low=0.1, eps_high=0.1, cp_group=dist.group.WORLD
-        )
-        local = (w[:, sl] * loss).sum()
-        torch.save((local, grad_of(local, x), ind["ratio"]), os.path.join(out_dir, f"r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    local = (w[:, sl] * loss).sum()
+    return local, grad_of(local, x), ind["ratio"]
 
 
-def test_gspo_context_parallel_matches_unsplit(tmp_path):
-    mp.spawn(_cp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=CP, join=True)
-    parts = [torch.load(tmp_path / f"r{r}.pt") for r in range(CP)]
+def test_gspo_context_parallel_matches_unsplit(dist_pool):
+    parts = dist_pool.run(_cp_rank_result, CP)
     logp, old, adv, mask, w = _cp_case()
     x = leaf(logp)
     loss, ind = gspo_token_loss(x, old, adv, mask, eps_low=0.1, eps_high=0.1)
