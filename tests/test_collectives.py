@@ -1,0 +1,313 @@
+"""Collectives of one training step: the plugin adds exactly one all-reduce, whatever the data.
+
+Inside the pool's worker ranks every ``torch.distributed`` collective and point-to-point entry
+point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
+counter keyed by the op and the global ranks of its group (``"all_reduce@0,1"``). One training
+step -- Megatron's schedule with DDP and ``finalize_model_grads``, then ``optimizer.step()`` --
+is counted for stock Megatron (its own ``get_forward_backward_func()`` with the stock loss
+``(sum(m*l), m.sum(), report)``) and for every mode through ``LossFixSchedule``.
+``schedule.step_metrics()`` is not part of the step and is not counted.
+
+Expected: on the loss (last pipeline) stage of a data-parallel run, every mode through the
+plugin adds exactly one all-reduce, over the DP group, and nothing else. The modes that count
+tokens before the step do it in that all-reduce; ``off`` and per-token ``token_mean``, which
+stream and count nothing, still all-reduce the schedule's cross-rank agreement check (every DP
+rank uses the same reduction) in its place. Other pipeline stages and DP=1 runs add nothing.
+And the counts do not depend on the data: a step where a DP rank holds no loss token at all
+does exactly the same collectives.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_lossfix import REDUCTIONS
+from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
+from megatron_lossfix.testing.tiny_gpt import Layout
+
+MODES = (*REDUCTIONS, "off")
+CASE = OracleCase(global_batch_size=8, seq_length=16)
+NUM_MICROBATCHES = 2
+
+# Every entry point of torch.distributed that communicates. Nested calls (all_gather_object ->
+# all_gather, batch_isend_irecv -> isend) are counted once, at the outermost call.
+_OPS = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
+
+Counts = dict[str, int]
+"""``"op@ranks" -> calls``, ``ranks`` the group's global ranks, e.g. ``"all_reduce@0,1"``."""
+
+
+def _group_key(op: str, fn: Callable, args: tuple, kwargs: dict) -> str:
+    import torch.distributed as dist
+
+    if op == "batch_isend_irecv":
+        ops = args[0] if args else kwargs["p2p_op_list"]
+        group = ops[0].group if ops else None
+    else:
+        try:
+            group = inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
+        except TypeError:
+            group = kwargs.get("group")
+    if group is None:
+        group = dist.group.WORLD
+    # Global ranks, not just the size: a DP and a PP group of the same size must not mix.
+    return ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+@contextmanager
+def count_collectives() -> Iterator[collections.Counter]:
+    """Count every collective call of this process, by ``"op@ranks"``, while active.
+
+    Replaces the functions wherever torch.distributed and Megatron modules hold them (module
+    attributes), since Megatron binds some at import (``dist_all_gather_func = ...``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    originals = {op: getattr(distributed_c10d, op) for op in _OPS if hasattr(distributed_c10d, op)}
+    by_id = {id(fn): op for op, fn in originals.items()}
+    counts: collections.Counter = collections.Counter()
+    depth = [0]
+
+    def wrap(op: str, fn: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                counts[f"{op}@{_group_key(op, fn, args, kwargs)}"] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        counted.__name__ = fn.__name__
+        return counted
+
+    wrappers = {op: wrap(op, fn) for op, fn in originals.items()}
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("torch.distributed", "megatron")):
+            continue
+        if name.startswith("torch.distributed") and module not in (dist, distributed_c10d):
+            # Other torch.distributed submodules (FSDP, rpc, ...) are not on a Megatron step's
+            # path; their aliases are left alone. torch.distributed.nn (autograd collectives)
+            # calls through `dist.`, already patched, but may hold aliases too.
+            if not name.startswith("torch.distributed.nn"):
+                continue
+        for attr, value in list(vars(module).items()):
+            op = by_id.get(id(value))
+            if op is not None and value is originals[op]:
+                patched.append((module, attr, value))
+                setattr(module, attr, wrappers[op])
+    try:
+        yield counts
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
+
+
+def _stock_forward_step(data_iterator: Any, model: Any) -> tuple:
+    """Megatron-LM's loss function: ``(sum(m*l), m.sum(), report)``."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+
+    def loss_func(per_token: torch.Tensor) -> tuple:
+        loss = (per_token.float() * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+
+    return output, loss_func
+
+
+def _microbatches(batch: dict, dp_rank: int, per_rank: int) -> list[dict]:
+    """DP rank ``dp_rank``'s contiguous slice, cut into NUM_MICROBATCHES contiguous pieces."""
+    size = per_rank // NUM_MICROBATCHES
+    start = dp_rank * per_rank
+    return [
+        {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
+        for k in range(NUM_MICROBATCHES)
+    ]
+
+
+def _plugin_forward_step(data_iterator: Any, model: Any) -> tuple:
+    from megatron_lossfix.losses import weighted_loss
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(weighted_loss, batch.get("loss_weights"))  # None off the loss stage
+
+
+def _step_counts(
+    layout: Layout, per_token: bool, variants: tuple[str, ...], empty_last_dp_rank: bool
+) -> dict[str, Any]:
+    """Pool worker: count one training step per variant (``stock`` or a mode) on this rank.
+
+    ``empty_last_dp_rank``: the last DP rank's loss masks are all zero (no loss token on that
+    rank; with DP=1 the whole mini-batch is empty)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.testing.tiny_gpt import (
+        build_tiny_gpt,
+        init_layout,
+        set_deterministic_params,
+    )
+
+    layout = init_layout(layout)
+    chunks, config = build_tiny_gpt(
+        layout, seq_len=CASE.seq_length, calculate_per_token_loss=per_token
+    )
+    set_deterministic_params(chunks, CASE.seed)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0, weight_decay=0.0), chunks
+    )
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batch = make_global_batch(CASE, config.vocab_size)
+    per_rank = CASE.global_batch_size // dp
+    mbs = _microbatches(batch, dp_rank, per_rank)
+    if empty_last_dp_rank and dp_rank == dp - 1:
+        mbs = [{**mb, "loss_mask": torch.zeros_like(mb["loss_mask"])} for mb in mbs]
+
+    def step(variant: str) -> None:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        if variant == "stock":
+            func, forward_step = get_forward_backward_func(), _stock_forward_step
+        else:
+            func = LossFixSchedule(LossFixConfig(reduction=variant, norm_constant=16.0))
+            forward_step = _plugin_forward_step
+        func(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=chunks[0],
+            num_microbatches=NUM_MICROBATCHES,
+            seq_length=CASE.seq_length,
+            micro_batch_size=per_rank // NUM_MICROBATCHES,
+            forward_only=False,
+        )
+        optimizer.step()
+
+    # One uncounted step first: anything lazily set up on a first step is not the plugin's.
+    step("stock")
+    counts = {}
+    for variant in variants:
+        with count_collectives() as counter:
+            step(variant)
+        counts[variant] = dict(counter)
+    return {
+        "counts": counts,
+        "dp_ranks": ",".join(map(str, dist.get_process_group_ranks(ps.get_data_parallel_group()))),
+        "loss_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
+    }
+
+
+def _extra(plugin: Counts, stock: Counts) -> Counts:
+    """Calls the plugin step made beyond stock's (negative: fewer)."""
+    keys = set(plugin) | set(stock)
+    diff = {k: plugin.get(k, 0) - stock.get(k, 0) for k in keys}
+    return {k: v for k, v in sorted(diff.items()) if v}
+
+
+def _expected_extra(dp_ranks: str, loss_stage: bool) -> Counts:
+    """One all-reduce over the DP group, on loss-stage ranks of a data-parallel run.
+
+    The same for every mode, ``off`` and per-token ``token_mean`` included: the modes that
+    count tokens do it in that all-reduce, and the streaming ones (which count nothing) still
+    all-reduce the cross-rank agreement check (same reduction on every DP rank) in its place.
+    """
+    if not loss_stage or "," not in dp_ranks:
+        return {}
+    return {f"all_reduce@{dp_ranks}": 1}
+
+
+# (id, layout, world size, calculate_per_token_loss)
+CASES = [
+    ("tp2-dp1", Layout(tp=2), 2, False),
+    ("dp2", Layout(), 2, False),
+    ("dp2-per-token", Layout(), 2, True),
+    ("tp2-dp2", Layout(tp=2), 4, False),
+    ("pp2-dp2", Layout(pp=2), 4, False),
+    ("pp2-dp2-per-token", Layout(pp=2), 4, True),
+]
+
+
+@pytest.mark.parametrize(
+    "layout, world, per_token", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_plugin_adds_one_data_independent_all_reduce(dist_pool, layout, world, per_token):
+    variants = ("stock", *MODES)
+    normal = dist_pool.run(_step_counts, world, layout, per_token, variants, False)
+    empty = dist_pool.run(_step_counts, world, layout, per_token, variants, True)
+    for rank, (got, got_empty) in enumerate(zip(normal, empty, strict=True)):
+        stock = got["counts"]["stock"]
+        assert stock, f"rank {rank}: no collective counted at all; the counter is broken"
+        for mode in MODES:
+            extra = _extra(got["counts"][mode], stock)
+            want = _expected_extra(got["dp_ranks"], got["loss_stage"])
+            assert extra == want, f"rank {rank}, {mode}: extra collectives {extra}, want {want}"
+        # Same collectives when a DP rank has no loss token: nothing branches on the data.
+        for variant in variants:
+            assert got_empty["counts"][variant] == got["counts"][variant], (
+                f"rank {rank}, {variant}: {got_empty['counts'][variant]} with an empty DP rank "
+                f"vs {got['counts'][variant]}"
+            )
+
+
+def _counter_self_check() -> dict[str, int]:
+    import torch.distributed as dist
+
+    with count_collectives() as counter:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, 1)  # internally all_gather: counted once, as the outer call
+        dist.broadcast(t, src=0)
+    dist.all_reduce(t)  # after the context: not counted, functions restored
+    return dict(counter)
+
+
+def test_counter_counts_outermost_calls_once(dist_pool):
+    got = dist_pool.run(_counter_self_check, 2)
+    assert got == [{"all_reduce@0,1": 1, "all_gather_object@0,1": 1, "broadcast@0,1": 1}] * 2
