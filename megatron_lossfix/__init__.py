@@ -3,11 +3,17 @@
 Loss functions return plain weighted sums; the weights carry the step's normalization, built
 from global token and sequence counts reduced once per step; the schedule hook undoes Megatron's
 internal averaging. The same gradient results under any micro-batch size and parallel layout.
+
+Importing the package does not import Megatron; modules that need it (``lora``, ``selfcheck``,
+``audit``, ``megatron_lm``, ``cpu_compat``) are imported by name.
 """
 
+from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.losses import token_cross_entropy, weighted_loss, weighted_sum
 from megatron_lossfix.reduction import REDUCTIONS, loss_weights
+from megatron_lossfix.rl_losses import grpo_advantages, rl_objective, scale_advantages
 from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [
@@ -15,8 +21,14 @@ __all__ = [
     "REDUCTIONS",
     "LossFixConfig",
     "LossFixSchedule",
+    "add_lossfix_args",
+    "from_args",
+    "grpo_advantages",
     "loss_weights",
+    "rl_objective",
+    "scale_advantages",
     "token_cross_entropy",
+    "vocab_parallel_logprobs_entropy",
     "weighted_loss",
     "weighted_sum",
 ]
