@@ -1,0 +1,30 @@
+"""The package's public surface: what DESIGN §3 names, and an import that stays cheap."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import megatron_lossfix
+
+
+def test_public_api_is_declared_and_importable():
+    for name in megatron_lossfix.__all__:
+        assert hasattr(megatron_lossfix, name), name
+
+
+def test_loss_weights_signature_is_the_contract():
+    params = inspect.signature(megatron_lossfix.loss_weights).parameters
+    assert list(params) == ["loss_masks", "reduction", "norm_constant", "dp_group", "cp_group"]
+    assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in list(params)[2:])
+    assert all(params[p].default is None for p in list(params)[2:])
+
+
+def test_importing_the_package_does_not_import_megatron():
+    code = (
+        "import sys, megatron_lossfix; "
+        "print(any(m.startswith('megatron.') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
