@@ -43,7 +43,6 @@ Add --loss-reduction off to see stock Megatron disagree with itself.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -54,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.datasets import ByteTokenizer, microbatches
+from megatron_lossfix.datasets import ByteTokenizer, iter_jsonl, microbatches
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages, rl_objective
 
@@ -233,15 +232,8 @@ def load_rollouts(path: str, *, vocab: int, seq_length: int, need_ref: bool) -> 
     """
     records = []
     with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: malformed JSON ({e.msg})") from e
+        text = f.read()
+    for record, where in iter_jsonl(text, path):
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {record!r:.100}")
         prompt = _int_list(record, "prompt_ids", where, vocab)

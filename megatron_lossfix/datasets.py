@@ -15,8 +15,9 @@ with different TP/PP/DP/CP layouts or micro-batch sizes see the same sequences i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_SEQ_LENGTH",
     "ByteTokenizer",
     "encode_record",
+    "iter_jsonl",
     "global_batch",
     "load_records",
     "microbatches",
@@ -105,19 +107,25 @@ def load_records(path: str | None) -> list[dict]:
             text = f.read()
 
     records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name}, line {lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: malformed JSON ({e.msg})") from e
+    for record, where in iter_jsonl(text, name):
         _check_record(record, where)
         records.append(record)
     if not records:
         raise ValueError(f"{name}: no records (the file is empty)")
     return records
+
+
+def iter_jsonl(text: str, name: str) -> Iterator[tuple[Any, str]]:
+    """``(record, "NAME, line N")`` for each non-blank JSONL line; ``ValueError`` naming the
+    line for malformed JSON."""
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{name}, line {lineno}"
+        try:
+            yield json.loads(line), where
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: malformed JSON ({e.msg})") from e
 
 
 def encode_record(record: dict, tokenizer: ByteTokenizer, seq_length: int) -> dict[str, Tensor]:
