@@ -194,6 +194,13 @@ class ExampleRun:
         )
 
     @property
+    def cp_group(self) -> Any:
+        """The context-parallel group, or None without context parallelism."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_context_parallel_group() if self.layout.cp > 1 else None
+
+    @property
     def microbatches_per_rank(self) -> int:
         return self.args.global_batch_size // (self.dp * self.args.micro_batch_size)
 

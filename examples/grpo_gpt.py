@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from megatron_lossfix.datasets import ByteTokenizer, iter_jsonl, microbatches
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
+from megatron_lossfix.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages, rl_objective
 
 # `common` sits beside this script: on sys.path when the script runs as a file, but not when a
@@ -342,11 +343,9 @@ class LossContext(NamedTuple):
 def forward_step(ctx: LossContext, data_iterator, model):
     """Megatron forward_step: whole sequences come in; with CP each rank keeps its shard of every
     per-token tensor (the plugin's weights included), Megatron-LM's convention."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
     batch = next(data_iterator)
     if ctx.cp_group is not None:
-        batch = get_batch_on_this_cp_rank(dict(batch))
+        batch = slice_batch_for_cp(batch, ctx.cp_group)
     # Without labels GPTModel returns the vocab-parallel logits [b, s, V/TP].
     output = model(batch["tokens"], batch["position_ids"], None)
     return output, partial(rl_loss, ctx, batch)
@@ -594,8 +593,9 @@ def main(argv: list[str] | None = None) -> None:
     run = ExampleRun.start(args)
     from megatron.core import parallel_state as ps
 
-    cp_group = ps.get_context_parallel_group() if run.layout.cp > 1 else None
-    ctx = LossContext(args=args, tp_group=ps.get_tensor_model_parallel_group(), cp_group=cp_group)
+    ctx = LossContext(
+        args=args, tp_group=ps.get_tensor_model_parallel_group(), cp_group=run.cp_group
+    )
     tok = run.tokenizer
     if args.rollouts is not None:
         records = load_rollouts(

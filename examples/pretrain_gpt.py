@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_lossfix import weighted_loss
 from megatron_lossfix.datasets import global_batch, load_records, microbatches
+from megatron_lossfix.megatron_compat import slice_batch_for_cp
 
 # `common` sits beside this script: on sys.path when the script runs as a file, but not when a
 # test imports the script by path.
@@ -50,14 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def forward_step(cp_slice: bool, data_iterator, model):
+def forward_step(cp_group, data_iterator, model):
     """Megatron forward_step: whole sequences come in; with CP each rank keeps its shard (and
-    the weights' shard, which get_batch_on_this_cp_rank slices along)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
+    the weights' shard, sliced along with the tokens)."""
     batch = next(data_iterator)
-    if cp_slice:
-        batch = get_batch_on_this_cp_rank(dict(batch))
+    if cp_group is not None:
+        batch = slice_batch_for_cp(batch, cp_group)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(weighted_loss, batch.get("loss_weights"))
 
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     run = ExampleRun.start(args, calculate_per_token_loss=args.calculate_per_token_loss)
     records = load_records(args.data_path)
     run.banner(records=len(records))
-    step = partial(forward_step, args.context_parallel_size > 1)
+    step = partial(forward_step, run.cp_group)
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
         batch = global_batch(

@@ -37,7 +37,8 @@ class LossFixConfig:
     data_is_cp_sharded: bool = False
     """True when the data iterator already yields this rank's context-parallel shard of each
     sequence; False (Megatron-LM's convention) when it yields whole sequences that
-    ``forward_step`` slices with ``get_batch_on_this_cp_rank`` (the weights are sliced along)."""
+    ``forward_step`` slices with ``megatron_compat.slice_batch_for_cp`` (the weights are sliced
+    along)."""
 
     validate: bool = True
     """Refuse loss masks holding values other than 0 and 1, and ranks that disagree on the

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.losses import weighted_loss
+from megatron_lossfix.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.schedule import LossFixSchedule, StepGroups, resolve_groups
 
 __all__ = [
@@ -157,22 +158,6 @@ def _accepts_kwarg(func: Callable, name: str) -> bool:
     except (TypeError, ValueError):  # builtins, C callables: let the call decide
         return True
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _slice_for_cp(weights: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """This CP rank's shard of ``[batch, seq]`` weights, sliced by Megatron's own function (as
-    ``pretrain_gpt.get_batch`` slices tokens, labels and the loss mask)."""
-    if cp_size == 1:
-        return weights
-    from megatron.core import utils
-
-    slice_batch = utils.get_batch_on_this_cp_rank
-    kwargs = (
-        {"is_hybrid_cp": False}
-        if "is_hybrid_cp" in inspect.signature(slice_batch).parameters
-        else {}
-    )
-    return slice_batch({"loss_weights": weights}, **kwargs)["loss_weights"]
 
 
 class MegatronLMLossFix:
@@ -301,7 +286,9 @@ class MegatronLMLossFix:
                     "accept lossfix=...; apply our patch to this Megatron-LM checkout "
                     "(python -m megatron_lossfix.patches apply PATH) or add the keyword"
                 )
-            weights = _slice_for_cp(weights, groups.cp_size)
+            if groups.cp_size > 1:
+                # Sliced by Megatron's own function, as pretrain_gpt.get_batch slices tokens.
+                weights = slice_batch_for_cp({weights_key: weights}, groups.cp)[weights_key]
             return output, functools.partial(
                 loss_func, **{LOSS_KWARG: functools.partial(self._loss, weights)}
             )

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.megatron_compat import schedule_for, warn_if_untested
 from megatron_lossfix.reduction import (
     StepCounts,
     _bad_mask_message,
@@ -161,7 +162,7 @@ class LossFixSchedule:
     Args:
         config: the plugin configuration.
         forward_backward_func: Megatron's schedule to wrap; by default
-            ``get_forward_backward_func()`` at call time (so it follows the PP/VPP layout).
+            Megatron's schedule for the call's pipeline group and model chunks (PP/VPP).
         pg_collection: process groups, used when the call passes none; else parallel_state.
     """
 
@@ -171,6 +172,7 @@ class LossFixSchedule:
         forward_backward_func: Callable[..., Any] | None = None,
         pg_collection: Any = None,
     ) -> None:
+        warn_if_untested()
         self.config = config
         self._inner = forward_backward_func
         self._pg_collection = pg_collection
@@ -227,9 +229,7 @@ class LossFixSchedule:
 
         inner = self._inner
         if inner is None:
-            from megatron.core.pipeline_parallel import get_forward_backward_func
-
-            inner = get_forward_backward_func()
+            inner = schedule_for(model, groups.pp)
         result = inner(
             forward_step_func=wrapped_step,
             data_iterator=iterators if isinstance(data_iterator, list) else iterators[0],

@@ -175,11 +175,15 @@ def _forward_step(case: OracleCase, data_iterator: Any, model: Any) -> tuple:
 def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tuple:
     """Megatron-LM's convention: the iterator yields whole sequences, forward_step slices them
     (and the weights with them) for this CP rank."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.megatron_compat import slice_batch_for_cp
+
+    cp_group = ps.get_context_parallel_group()
 
     class _Sliced:
         def __next__(self) -> dict:
-            return get_batch_on_this_cp_rank(dict(next(data_iterator)))
+            return slice_batch_for_cp(next(data_iterator), cp_group)
 
     return inner(_Sliced(), model)
 
@@ -217,9 +221,9 @@ def layout_grads(
     ``{mode: {"grads": {name: grad}, "metrics": {...}}}`` plus, with ``case.optimizer``, the
     step's ``"grad_norm"`` and each weight's ``"update"`` (None on other ranks)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.megatron_compat import slice_batch_for_cp
     from megatron_lossfix.schedule import LossFixSchedule
     from megatron_lossfix.testing.tiny_gpt import (
         build_tiny_gpt,
@@ -244,7 +248,7 @@ def layout_grads(
     mbs = _split(local, plan[dp_rank])
     sharded = case.schedule_kwargs.get("data_is_cp_sharded", False)
     if sharded:
-        mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+        mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
     step = partial(_forward_step, case)
