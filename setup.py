@@ -13,6 +13,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    # megatron-core 0.16.x runs on Python 3.10/3.11; 0.17 and newer need Python >= 3.12.
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
     package_data={"megatron_lossfix": ["data/*.jsonl"]},
@@ -21,7 +22,10 @@ setup(
     data_files=[("share/megatron_lossfix/patches", sorted(glob("patches/*.patch")))],
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.14,<0.17",
+        "packaging",
+        # Proven by the suite on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (noxfile.py); a release outside
+        # this range warns at run time (megatron_compat.warn_if_untested).
+        "megatron-core>=0.16,<0.20",
     ],
     extras_require={
         # Test-only tools; the suite runs on CPU with gloo.
@@ -33,6 +37,9 @@ setup(
     entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
 )

@@ -1,0 +1,76 @@
+"""The test environments: every supported Python x megatron-core world, built from scratch.
+
+    python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
+
+runs them all (that is the README's test command and what CI runs); ``nox -s tests-3.11`` runs
+one. Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
+megatron-core and this project with its test extras, and runs the suite on CPU/gloo:
+
+* ``tests-3.11``: Python 3.11, torch's CPU wheel, megatron-core 0.16.1 (the last release that
+  supports Python 3.11): the whole suite.
+* ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite; then, in the same
+  virtualenv (torch is the expensive part), megatron-core 0.17.1 and 0.18.2 for the release
+  checks and the invariance matrix, context parallelism included.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+
+TORCH = "torch==2.13.0"
+LATEST = {"3.11": "0.16.1", "3.12": "0.19.2"}
+#: Older releases of the 3.12 line, checked in the 3.12 virtualenv after the full suite.
+OLDER_312 = ("0.17.1", "0.18.2")
+#: What pins Megatron's averaging and the layout matrix (the release-sensitive part).
+MATRIX_TESTS = (
+    "tests/test_megatron_averaging.py",
+    "tests/test_invariance.py",
+    "tests/test_hard_layouts.py",
+    "tests/test_rl_invariance.py",
+)
+
+
+def _expose_pyenv_versions() -> None:
+    """With pyenv, ``python3.12`` is a shim that answers only for the active versions; activate
+    every installed 3.11/3.12 so that nox finds both interpreters."""
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
+        return
+    versions = [
+        os.path.basename(path)
+        for minor in LATEST
+        for path in sorted(glob.glob(os.path.join(root, "versions", f"{minor}.*")))[-1:]
+    ]
+    if versions:
+        os.environ["PYENV_VERSION"] = ":".join(versions)
+
+
+_expose_pyenv_versions()
+
+
+def _install(session: nox.Session, megatron_core: str) -> None:
+    session.install(TORCH, f"megatron-core=={megatron_core}", "-e", ".[test]")
+
+
+@nox.session(name="tests-3.11", python="3.11", download_python="never")
+def tests_311(session: nox.Session) -> None:
+    """Whole suite on megatron-core 0.16.1."""
+    _install(session, LATEST["3.11"])
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+
+
+@nox.session(name="tests-3.12", python="3.12", download_python="never")
+def tests_312(session: nox.Session) -> None:
+    """Whole suite on megatron-core 0.19.2, then the release checks on 0.17.1 and 0.18.2."""
+    _install(session, LATEST["3.12"])
+    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+    for release in OLDER_312:
+        session.install(f"megatron-core=={release}")
+        session.run("python", "-m", "pytest", "-q", *MATRIX_TESTS)
