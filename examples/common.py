@@ -26,6 +26,7 @@ from typing import IO, Any, NoReturn
 import torch
 import torch.distributed as dist
 
+import megatron_lossfix
 from megatron_lossfix import LossFixConfig, LossFixSchedule
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
@@ -106,10 +107,10 @@ def one_line_errors(prog: str) -> Iterator[None]:
 
     Before torch.distributed starts: :class:`UsageError`, ``ValueError`` (the plugin's config,
     a data file) and ``OSError`` (a file that cannot be read or written); global rank 0 prints,
-    every rank exits with 2. After start-up: ``ValueError`` (the plugin refusing its input) and
-    a failed self-check exit with 1; rank 0 prints, and another rank prints only an error of
-    its own (not one that every rank raises together). Anything else keeps its traceback: it
-    is a bug, not a mistake in the input.
+    every rank exits with 2. After start-up: a ``ValueError`` raised by the plugin or these
+    scripts (refusing their input) and a failed self-check exit with 1; rank 0 prints, and
+    another rank prints only an error of its own (not one that every rank raises together).
+    Anything else keeps its traceback: it is a bug, not a mistake in the input.
     """
     try:
         yield
@@ -121,8 +122,8 @@ def one_line_errors(prog: str) -> Iterator[None]:
             if _reporting_rank():
                 _print_error(prog, _describe(exc))
             sys.exit(2)
-        if isinstance(exc, OSError):
-            raise
+        if isinstance(exc, OSError) or not _raised_by_us(exc):
+            raise  # a ValueError deep inside Megatron or torch is a bug: keep its traceback
         rank = dist.get_rank()
         # Raised on every rank at once: the self-check verdict is all-reduced, and the plugin's
         # "problem on another rank" points at the rank that prints its own error.
@@ -132,6 +133,21 @@ def one_line_errors(prog: str) -> Iterator[None]:
         elif not shared:
             _print_error(prog, f"(rank {rank}) {_describe(exc)}")
         sys.exit(1)
+
+
+_OUR_CODE = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.abspath(megatron_lossfix.__file__)),
+)
+
+
+def _raised_by_us(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is in the plugin or the example scripts."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    return name.startswith(_OUR_CODE)
 
 
 def _describe(exc: BaseException) -> str:
