@@ -72,7 +72,10 @@ def _forward_step(int_loss: bool, data_iterator: Any, model: Any) -> tuple:
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     if int_loss:
         return output, lambda out: (1, {})
-    return output, partial(weighted_loss, batch.get("loss_weights"))
+    weights = batch.get("loss_weights")
+    if weights is None:  # stock Megatron: Megatron-LM's (sum(m*l), m.sum(), report)
+        weights = batch["loss_mask"].float()
+    return output, partial(weighted_loss, weights)
 
 
 def refusal_case(
@@ -141,3 +144,65 @@ def refusal_case(
     # Stay connected (as a live process would) until every rank is done or hold_s passed.
     _meet(store, "done", world, hold_s)
     return outcome
+
+
+def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
+    """Pool worker (world 4, PP2 x DP2): what the pipeline verdict costs on this machine.
+
+    ``allreduce_us``: median time of the extra all-reduce itself (the agreement vector over the
+    pipeline group, gloo); ``stock_ms`` / ``token_mean_ms``: median time of a whole training
+    step (tiny GPT, 2 micro-batches) stock and through the plugin, for scale."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix import LossFixConfig, LossFixSchedule
+    from megatron_lossfix.schedule import _VECTOR_LEN
+    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
+    from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
+
+    layout = init_layout(Layout(pp=2))
+    oracle = OracleCase(global_batch_size=8, seq_length=16)
+    chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(vec, group=pp_group)
+        vec.tolist()
+        times.append(time.perf_counter() - start)
+    dp_rank = ps.get_data_parallel_rank()
+    batch = make_global_batch(oracle, config.vocab_size)
+    mbs = [
+        {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
+        for k in range(2)
+    ]
+    step_ms: dict[str, list[float]] = {"stock": [], "token_mean": []}
+    for _ in range(steps):
+        for variant in step_ms:
+            func = (
+                get_forward_backward_func()
+                if variant == "stock"
+                else LossFixSchedule(LossFixConfig(reduction=variant))
+            )
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            start = time.perf_counter()
+            func(
+                forward_step_func=partial(_forward_step, False),
+                data_iterator=iter(mbs),
+                model=chunks[0],
+                num_microbatches=2,
+                seq_length=oracle.seq_length,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            step_ms[variant].append((time.perf_counter() - start) * 1e3)
+    return {
+        "allreduce_us": statistics.median(times) * 1e6,
+        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+    }
