@@ -4,25 +4,34 @@ step through the plugin's schedule, and the per-iteration metrics record and log
 ``pretrain_gpt.py`` and ``grpo_gpt.py`` differ only in their data and their loss; everything
 here is the same code for both, so a layout behaves the same way in either script. Imported as
 ``from common import ...``: the scripts run as files, which puts this directory on ``sys.path``.
+
+Mistakes end as one line, ``<script>: error: <what to change>``, not as a traceback per rank:
+flags and data are checked before torch.distributed starts (every rank checks, global rank 0
+prints, every rank exits with status 2), and the plugin's own refusals after start-up
+(``ValueError``, a failed self-check) exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+import megatron_lossfix
 from megatron_lossfix import LossFixConfig, LossFixSchedule
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.cpu_compat import enable_cpu_megatron
-from megatron_lossfix.datasets import ByteTokenizer
-from megatron_lossfix.selfcheck import with_self_check
+from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
+from megatron_lossfix.datasets import ByteTokenizer, DataStats
+from megatron_lossfix.selfcheck import SelfCheckError, with_self_check
 from megatron_lossfix.testing.tiny_gpt import (
     Layout,
     build_tiny_gpt,
@@ -30,7 +39,121 @@ from megatron_lossfix.testing.tiny_gpt import (
     set_deterministic_params,
 )
 
-__all__ = ["ExampleRun", "add_common_args", "add_lossfix_flags", "build_model"]
+__all__ = [
+    "ExampleArgumentParser",
+    "ExampleRun",
+    "UsageError",
+    "add_common_args",
+    "add_lossfix_flags",
+    "build_model",
+    "check_launch",
+    "data_log_items",
+    "one_line_errors",
+    "positive_int",
+]
+
+
+class UsageError(Exception):
+    """A mistake in the flags or the data, found before start-up: reported as one line."""
+
+
+def _reporting_rank() -> bool:
+    """Whether this process prints errors for the whole launch: global rank 0 (torchrun's
+    ``RANK`` before torch.distributed starts), or a process started without torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_error(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+
+
+class ExampleArgumentParser(argparse.ArgumentParser):
+    """argparse, except that a usage error is one line, ``prog: error: message``, printed by
+    global rank 0 only (torchrun starts every rank with the same flags), with exit status 2 on
+    every rank. The usage text, a screenful for these scripts, is left to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        if _reporting_rank():
+            _print_error(self.prog, message)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """Turn the known kinds of mistakes into one line and a non-zero exit, without a traceback.
+
+    Before torch.distributed starts: :class:`UsageError`, ``ValueError`` (the plugin's config,
+    a data file) and ``OSError`` (a file that cannot be read or written); global rank 0 prints,
+    every rank exits with 2. After start-up: a ``ValueError`` raised by the plugin or these
+    scripts (refusing their input) and a failed self-check exit with 1; rank 0 prints, and
+    another rank prints only an error of its own (not one that every rank raises together).
+    Anything else keeps its traceback: it is a bug, not a mistake in the input.
+    """
+    try:
+        yield
+    except (UsageError, ValueError, OSError, SelfCheckError) as exc:
+        started = dist.is_available() and dist.is_initialized()
+        if not started:
+            if isinstance(exc, SelfCheckError):
+                raise
+            if _reporting_rank():
+                _print_error(prog, _describe(exc))
+            sys.exit(2)
+        if isinstance(exc, OSError) or not _raised_by_us(exc):
+            raise  # a ValueError deep inside Megatron or torch is a bug: keep its traceback
+        rank = dist.get_rank()
+        # Raised on every rank at once: the self-check verdict is all-reduced, and the plugin's
+        # "problem on another rank" points at the rank that prints its own error.
+        shared = isinstance(exc, SelfCheckError) or type(exc).__name__ == "_ProblemOnAnotherRank"
+        if rank == 0:
+            _print_error(prog, _describe(exc))
+        elif not shared:
+            _print_error(prog, f"(rank {rank}) {_describe(exc)}")
+        sys.exit(1)
+
+
+_OUR_CODE = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.abspath(megatron_lossfix.__file__)),
+)
+
+
+def _raised_by_us(exc: BaseException) -> bool:
+    """Whether the innermost frame of ``exc`` is in the plugin or the example scripts."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    return name.startswith(_OUR_CODE)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -40,13 +163,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
     Script-specific defaults go through ``parser.set_defaults``.
     """
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=4, help="transformer layers")
-    model.add_argument("--hidden-size", type=int, default=64, help="hidden size")
-    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
-    model.add_argument("--seq-length", type=int, default=128, help="tokens per sequence")
-    model.add_argument("--num-experts", type=int, default=None, help="MoE experts per layer")
+    model.add_argument("--num-layers", type=positive_int, default=4, help="transformer layers")
+    model.add_argument("--hidden-size", type=positive_int, default=64, help="hidden size")
     model.add_argument(
-        "--moe-aux-loss-coeff", type=float, default=0.0, help="MoE load-balancing loss weight"
+        "--num-attention-heads", type=positive_int, default=4, help="attention heads"
+    )
+    model.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sequence")
+    model.add_argument(
+        "--num-experts", type=positive_int, default=None, help="MoE experts per layer"
+    )
+    model.add_argument(
+        "--moe-aux-loss-coeff",
+        type=_non_negative_float,
+        default=0.0,
+        help="MoE load-balancing loss weight",
     )
     model.add_argument(
         "--transformer-impl",
@@ -62,28 +192,38 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
         "testing context parallelism on CPU where Transformer Engine is absent",
     )
     par = parser.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
+    par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="TP size")
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="PP size")
     par.add_argument(
         "--num-layers-per-virtual-pipeline-stage",
-        type=int,
+        type=positive_int,
         default=None,
         help="layers per virtual stage (interleaved 1F1B schedule)",
     )
-    par.add_argument("--context-parallel-size", type=int, default=1, help="CP size")
-    par.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP size")
+    par.add_argument("--context-parallel-size", type=positive_int, default=1, help="CP size")
+    par.add_argument("--expert-model-parallel-size", type=positive_int, default=1, help="EP size")
     train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
-    train.add_argument("--global-batch-size", type=int, default=16, help="sequences per step")
-    train.add_argument("--train-iters", type=int, default=200, help="optimizer steps")
+    train.add_argument(
+        "--micro-batch-size", type=positive_int, default=4, help="sequences per micro-batch"
+    )
+    train.add_argument(
+        "--global-batch-size", type=positive_int, default=16, help="sequences per step"
+    )
+    train.add_argument("--train-iters", type=positive_int, default=200, help="optimizer steps")
     train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    train.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm")
+    train.add_argument(
+        "--clip-grad", type=_non_negative_float, default=1.0, help="gradient clipping norm"
+    )
     train.add_argument("--seed", type=int, default=1234, help="seed of data order and weights")
     output = parser.add_argument_group("data and output")
     output.add_argument(
-        "--metrics-out", default=None, help="append one JSON object per iteration (rank 0)"
+        "--metrics-out",
+        default=None,
+        help="write one JSON object per iteration to this file (rank 0; its folder is created)",
     )
-    output.add_argument("--log-interval", type=int, default=1, help="iterations between logs")
+    output.add_argument(
+        "--log-interval", type=positive_int, default=1, help="iterations between logs"
+    )
     return {"model": model, "parallelism": par, "training": train, "output": output}
 
 
@@ -91,6 +231,114 @@ def add_lossfix_flags(parser: argparse.ArgumentParser) -> None:
     """The plugin's flags, on by default in the examples (``--loss-reduction token_mean``)."""
     add_lossfix_args(parser)
     parser.set_defaults(loss_reduction="token_mean")
+
+
+def _world_size() -> int:
+    """Ranks in this launch, from torchrun's environment (1 without torchrun)."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def check_launch(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """Refuse, before torch.distributed starts, what Megatron or the plugin would refuse later
+    (with a traceback per rank): the layout against the number of ranks, the batch sizes
+    against the data-parallel size, model shapes, context parallelism without an attention
+    that supports it, the plugin's flags. Creates the folder of ``--metrics-out``.
+
+    Raises :class:`UsageError` (or the plugin's ``ValueError``) saying what to change.
+    """
+    world = world_size or _world_size()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        raise UsageError(
+            f"{world} rank(s) (torchrun --nproc-per-node) cannot hold --tensor-model-parallel-size "
+            f"{tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = "
+            f"{model_parallel}; launch a multiple of {model_parallel} ranks"
+        )
+    dp = world // model_parallel
+    step = dp * args.micro_batch_size
+    if args.global_batch_size % step:
+        raise UsageError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel "
+            f"size {dp} x --micro-batch-size {args.micro_batch_size} = {step}; use a multiple "
+            f"of {step} (data-parallel size = ranks / (TP x PP x CP) = {world} / "
+            f"{model_parallel})"
+        )
+    if args.num_layers % pp:
+        raise UsageError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}"
+        )
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None and (pp < 2 or (args.num_layers // pp) % per_virtual):
+        raise UsageError(
+            f"--num-layers-per-virtual-pipeline-stage {per_virtual} needs "
+            f"--pipeline-model-parallel-size > 1 and must divide the {args.num_layers // pp} "
+            f"layers of each pipeline stage"
+        )
+    if args.hidden_size % args.num_attention_heads:
+        raise UsageError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    vocab = ByteTokenizer().padded_vocab_size(8)
+    for name, value in (("--num-attention-heads", args.num_attention_heads), ("vocabulary", vocab)):
+        if value % tp:
+            raise UsageError(
+                f"{name} {value} is not divisible by --tensor-model-parallel-size {tp}"
+            )
+    if ep > 1 and args.num_experts is None:
+        raise UsageError(f"--expert-model-parallel-size {ep} needs --num-experts")
+    if args.num_experts is not None and args.num_experts % ep:
+        raise UsageError(
+            f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size "
+            f"{ep}"
+        )
+    if world % (tp * ep * pp):
+        raise UsageError(
+            f"{world} rank(s) cannot hold --tensor-model-parallel-size {tp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"
+        )
+    if args.transformer_impl == "transformer_engine" and not (
+        torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")
+    ):
+        raise UsageError(
+            "--transformer-impl transformer_engine needs CUDA and Transformer Engine; use "
+            "--transformer-impl local"
+        )
+    if cp > 1:
+        if args.transformer_impl == "local" and not args.no_attention:
+            raise UsageError(
+                f"--context-parallel-size {cp} needs --transformer-impl transformer_engine "
+                "(CUDA), or --no-attention on CPU: Megatron's local attention refuses context "
+                "parallelism"
+            )
+        if args.seq_length % (2 * cp):
+            raise UsageError(
+                f"--seq-length {args.seq_length} must be a multiple of 2 x "
+                f"--context-parallel-size = {2 * cp} (each rank takes two chunks)"
+            )
+    from_args(args)  # the plugin's own refusals (ValueError), e.g. --loss-norm-constant 0
+    if args.metrics_out:
+        if os.path.isdir(args.metrics_out):
+            raise UsageError(f"--metrics-out {args.metrics_out} is a folder; give a file name")
+        folder = os.path.dirname(args.metrics_out)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+
+
+def data_log_items(stats: DataStats) -> list[tuple[str, str]]:
+    """Log-line items for what a step's data lost: only the counts that are not zero."""
+    items = []
+    if stats.truncated:
+        items.append(("truncated", f"{stats.truncated} ({stats.cut_loss_tokens} loss tokens cut)"))
+    if stats.no_loss_tokens:
+        items.append(("no loss tokens", str(stats.no_loss_tokens)))
+    if stats.eos_only:
+        items.append(("eos only", str(stats.eos_only)))
+    return items
 
 
 def _init_distributed() -> str:
@@ -149,6 +397,8 @@ class ExampleRun:
         """Initialize distributed and Megatron's parallel state, build the tiny GPT (same global
         weights for every layout), its Adam optimizer and the plugin's schedule."""
         config = from_args(args) or LossFixConfig(reduction="token_mean")
+        # Before Megatron is imported: some of its fallback warnings fire at import time.
+        quiet_repeated_megatron_warnings()
         backend = _init_distributed()
 
         from megatron.core import parallel_state as ps
@@ -271,7 +521,8 @@ class ExampleRun:
         if self._out is not None:
             self._out.write(json.dumps(line) + "\n")
             self._out.flush()
-        if iteration % args.log_interval == 0:
+        # Iteration 1 too: the starting loss is what a run is compared against.
+        if iteration % args.log_interval == 0 or iteration == 1:
             extra = "".join(f" {label}: {value} |" for label, value in log_items)
             print(
                 f" iteration {iteration:8d}/{args.train_iters:8d} |"

@@ -34,9 +34,9 @@ Launch:
     torchrun --standalone --nproc-per-node 1 examples/grpo_gpt.py
     # replayed rollouts under two layouts: their loss and grad norm agree to ~1e-7
     torchrun --standalone --nproc-per-node 1 examples/grpo_gpt.py --rollouts r.jsonl \
-        --micro-batch-size 12 --global-batch-size 12 --train-iters 3 --metrics-out /tmp/a.jsonl
+        --micro-batch-size 12 --global-batch-size 12 --train-iters 3 --metrics-out out/a.jsonl
     torchrun --standalone --nproc-per-node 2 examples/grpo_gpt.py --rollouts r.jsonl \
-        --micro-batch-size 2 --global-batch-size 12 --train-iters 3 --metrics-out /tmp/b.jsonl
+        --micro-batch-size 2 --global-batch-size 12 --train-iters 3 --metrics-out out/b.jsonl
 Add --loss-reduction off to see stock Megatron disagree with itself.
 """
 
@@ -62,7 +62,19 @@ from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages,
 # test imports the script by path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ExampleRun, add_common_args, add_lossfix_flags, build_model  # noqa: E402
+from common import (  # noqa: E402
+    ExampleArgumentParser,
+    ExampleRun,
+    UsageError,
+    add_common_args,
+    add_lossfix_flags,
+    build_model,
+    check_launch,
+    one_line_errors,
+    positive_int,
+)
+
+PROG = "grpo_gpt.py"
 
 #: The embedded task: (class name, bytes that earn reward). A prompt names the class and ends
 #: with one example byte of it ("digits: 7"), so the first response byte can already follow from
@@ -78,7 +90,7 @@ DEFAULT_ROLLOUT_BATCH = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ExampleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     rl = parser.add_argument_group("reinforcement learning")
     rl.add_argument(
@@ -117,10 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     rl.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
     rl.add_argument(
-        "--num-generations", type=int, default=16, help="G: sampled responses per prompt"
+        "--num-generations", type=positive_int, default=16, help="G: sampled responses per prompt"
     )
     rl.add_argument(
-        "--max-new-tokens", type=int, default=8, help="most tokens sampled per response"
+        "--max-new-tokens", type=positive_int, default=8, help="most tokens sampled per response"
     )
     rl.add_argument(
         "--temperature",
@@ -130,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     rl.add_argument(
         "--prompts-per-step",
-        type=int,
+        type=positive_int,
         default=None,
         help="prompts sampled per step; --global-batch-size is this times --num-generations "
         "(default: --global-batch-size / --num-generations, or 4 prompts)",
@@ -169,8 +181,19 @@ def _resolve_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             args.global_batch_size = DEFAULT_ROLLOUT_BATCH
         return
     g = args.num_generations
-    if g < 1 or args.max_new_tokens < 1:
-        parser.error("--num-generations and --max-new-tokens must be >= 1")
+    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+        parser.error(
+            "sampling needs --pipeline-model-parallel-size 1 and --context-parallel-size 1 "
+            "(the whole model and sequence on each rank); replay rollouts with --rollouts "
+            "to train under PP or CP"
+        )
+    width0 = _prompt_width()
+    if width0 + args.max_new_tokens - 1 > args.seq_length:
+        parser.error(
+            f"--seq-length {args.seq_length} is too short for prompts of {width0} tokens "
+            f"plus --max-new-tokens {args.max_new_tokens}; use at least "
+            f"{width0 + args.max_new_tokens - 1}"
+        )
     if args.prompts_per_step is None:
         if args.global_batch_size is None:
             args.prompts_per_step = 4
@@ -189,6 +212,11 @@ def _resolve_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             f"--global-batch-size {args.global_batch_size} must equal --prompts-per-step "
             f"{args.prompts_per_step} x --num-generations {g} = {expected}"
         )
+
+
+def _prompt_width() -> int:
+    """Tokens of the longest embedded-task prompt: bos + "name: " + one example byte."""
+    return max(len(f"{name}: ") + 2 for name, _ in TASKS)
 
 
 # ------------------------------------------------------------------ rollouts as training data
@@ -510,22 +538,9 @@ class Sampler:
         from megatron.core import parallel_state as ps
 
         args = run.args
-        if run.layout.pp > 1 or run.layout.cp > 1:
-            raise ValueError(
-                "sampling needs --pipeline-model-parallel-size 1 and --context-parallel-size 1 "
-                "(the whole model and sequence on each rank); replay rollouts with --rollouts "
-                "to train under PP or CP"
-            )
         self.run, self.args, self.tp_group = run, args, tp_group
         self.dp_group = ps.get_data_parallel_group()
-        # bos + "name: " + one example byte
-        width0 = max(len(f"{name}: ") + 2 for name, _ in TASKS)
-        if width0 + args.max_new_tokens - 1 > args.seq_length:
-            raise ValueError(
-                f"--seq-length {args.seq_length} is too short for prompts of {width0} tokens "
-                f"plus --max-new-tokens {args.max_new_tokens}; use at least "
-                f"{width0 + args.max_new_tokens - 1}"
-            )
+        # parse_args has checked that prompt + --max-new-tokens fits --seq-length.
         # The KL reference is the initial policy: a second copy of the seeded weights.
         self.ref_chunks = None
         if args.kl_coef > 0:
@@ -589,7 +604,26 @@ class Sampler:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    with one_line_errors(PROG):
+        args = parse_args(argv)
+        # Every mistake that can be seen before start-up is reported before it.
+        check_launch(args)
+        records = None
+        if args.rollouts is not None:
+            try:
+                records = load_rollouts(
+                    args.rollouts,
+                    vocab=ByteTokenizer().padded_vocab_size(8),
+                    seq_length=args.seq_length,
+                    need_ref=args.kl_coef > 0,
+                )
+            except OSError as exc:
+                raise UsageError(f"--rollouts {args.rollouts}: {exc.strerror or exc}") from None
+        train(args, records)
+
+
+def train(args: argparse.Namespace, records: list[dict] | None) -> None:
+    """Replay ``records`` (``--rollouts``), or sample from the model when it is None."""
     run = ExampleRun.start(args)
     from megatron.core import parallel_state as ps
 
@@ -597,17 +631,12 @@ def main(argv: list[str] | None = None) -> None:
         args=args, tp_group=ps.get_tensor_model_parallel_group(), cp_group=run.cp_group
     )
     tok = run.tokenizer
-    if args.rollouts is not None:
-        records = load_rollouts(
-            args.rollouts,
-            vocab=tok.padded_vocab_size(8),
-            seq_length=args.seq_length,
-            need_ref=args.kl_coef > 0,
-        )
+    if records is not None:
         # KL is reported whenever every record has a reference; it enters the loss via kl_coef.
         has_ref = all(r["ref_logprobs"] is not None for r in records)
         sampler = None
-        run.banner(rollouts=len(records))
+        empty = sum(not r["response_ids"] for r in records)
+        run.banner(rollouts=len(records), **({"empty_responses": empty} if empty else {}))
     else:
         sampler = Sampler(run, ctx.tp_group)
         has_ref = args.kl_coef > 0
@@ -617,12 +646,10 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         extra: dict[str, Any] = {}
         if sampler is None:
-            batch = encode_rollouts(
-                replay_batch(records, iteration - 1, args.global_batch_size),
-                args.seq_length,
-                tok.pad_id,
-                with_ref=has_ref,
-            )
+            chosen = replay_batch(records, iteration - 1, args.global_batch_size)
+            # A rollout without response tokens has no loss token: it trains on nothing.
+            extra["no_loss_token_samples"] = sum(not r["response_ids"] for r in chosen)
+            batch = encode_rollouts(chosen, args.seq_length, tok.pad_id, with_ref=has_ref)
             mbs = microbatches(
                 batch, dp_rank=run.dp_rank, dp_size=run.dp, micro_batch_size=args.micro_batch_size
             )
@@ -634,6 +661,8 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm, metrics = run.train_step(step, mbs)
         rl = rl_metrics(metrics, run.config.reduction, has_ref)
         log_items = [] if sampler is None else [("reward", f"{extra['reward_mean']:.4f}")]
+        if extra.get("no_loss_token_samples"):
+            log_items.append(("no loss tokens", str(extra["no_loss_token_samples"])))
         log_items += [
             ("pg loss", f"{rl['pg_loss']:.6E}"),
             ("entropy", f"{rl['entropy']:.4f}"),

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "audit": (
         "check every reduction mode's gradient against a one-rank reference over parallel "
-        "layouts; writes audit.json and audit.png, exits 1 on a miss",
+        "layouts; writes audit.json (and audit.png with matplotlib), exits 1 on a miss",
         "megatron_lossfix.audit",
     ),
     "patches": (

@@ -1,18 +1,25 @@
-"""Command-line flags: ``add_lossfix_args`` adds them, ``from_args`` turns them into a config.
+"""Command-line flags: ``add_lossfix_args`` adds them, ``from_args`` turns them into a config,
+``schedule_from_args`` into the schedule a training loop calls.
 
 Use as Megatron-LM's ``extra_args_provider``::
 
     pretrain(..., extra_args_provider=add_lossfix_args)
     lossfix_config = from_args(get_args())   # None when --loss-reduction was not given
+
+or, in a loop of your own, where ``get_forward_backward_func()`` was called::
+
+    schedule = schedule_from_args(args)     # stock Megatron when --loss-reduction was not given
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from megatron_lossfix.config import MODES, LossFixConfig
 
-__all__ = ["add_lossfix_args", "from_args"]
+__all__ = ["add_lossfix_args", "from_args", "schedule_from_args"]
 
 
 def add_lossfix_args(
@@ -105,3 +112,29 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
         validate=not getattr(args, "lossfix_no_validate", False),
         check_finite=getattr(args, "lossfix_check_finite", False),
     )
+
+
+def schedule_from_args(
+    args: argparse.Namespace,
+    forward_backward_func: Callable[..., Any] | None = None,
+    *,
+    pg_collection: Any = None,
+) -> Callable[..., Any]:
+    """The schedule to call where a training loop called ``get_forward_backward_func()``.
+
+    A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
+    ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
+    ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
+    ``--lossfix-self-check`` it is wrapped in the runtime self-check
+    (:func:`megatron_lossfix.selfcheck.with_self_check`), which prints one line with the
+    measured gradient change when the first step passes, and raises when it does not.
+
+    Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
+    ``--lossfix-self-check`` without ``--loss-reduction``.
+    """
+    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.selfcheck import with_self_check
+
+    config = from_args(args) or LossFixConfig(reduction="off")
+    schedule = LossFixSchedule(config, forward_backward_func, pg_collection=pg_collection)
+    return with_self_check(schedule, args)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +25,17 @@ from torch.overrides import TorchFunctionMode
 
 _ENABLED = False
 _MODE: TorchFunctionMode | None = None
+
+#: Megatron-Core warnings that say nothing new after the first time: each module that has a fused
+#: kernel or a Transformer Engine / Apex path warns about its fallback once per process, so a
+#: 2-rank run prints ~14 of them; and the cuda_graph_scope default warns per model config. One
+#: pattern, one group: a group is shown once per run, on global rank 0, as Megatron worded it.
+_REPEATED_WARNINGS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("fallback", re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")),
+    ("cuda_graph_scope", re.compile(r"full scope is deprecated")),
+)
+_shown_groups: set[str] = set()
+_original_showwarning: Any = None
 
 
 def is_cpu_mode() -> bool:
@@ -170,6 +184,43 @@ def _patch_megatron() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _show_repeated_once(message, category, filename, lineno, file=None, line=None) -> None:
+    text = str(message)
+    group = next((name for name, pattern in _REPEATED_WARNINGS if pattern.search(text)), None)
+    if group is None:
+        _original_showwarning(message, category, filename, lineno, file, line)
+        return
+    if group in _shown_groups:
+        return
+    _shown_groups.add(group)
+    if _is_rank0():
+        note = " (shown once per run; megatron_lossfix hides the repeats)"
+        _original_showwarning(text + note, category, filename, lineno, file, line)
+
+
+def quiet_repeated_megatron_warnings() -> None:
+    """Show Megatron-Core's repeated fallback warnings once per run instead of once per module
+    and rank: "Transformer Engine and Apex are not installed ...", "Apex is not installed ..."
+    and the ``cuda_graph_scope`` default's deprecation. The first of each kind is shown on
+    global rank 0 (``RANK`` before ``torch.distributed`` starts), worded as Megatron wrote it;
+    every other warning is shown as before. Idempotent; call it before importing Megatron to
+    catch the import-time ones. ``-W error`` and other warning filters still apply first.
+    """
+    global _original_showwarning
+    if _original_showwarning is not None:
+        return
+    _original_showwarning = warnings.showwarning
+    warnings.showwarning = _show_repeated_once
+
+
 def enable_cpu_megatron(force: bool = False) -> bool:
     """Bridge Megatron-Core's CUDA-only code paths to CPU for this process.
 
@@ -181,6 +232,9 @@ def enable_cpu_megatron(force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
+    # Transformer Engine and Apex need CUDA: on CPU their fallback warnings are certain and
+    # repeat per module and rank.
+    quiet_repeated_megatron_warnings()
     _patch_torch_cuda()
     _patch_megatron()
     # Installed for the rest of the process, never exited: schedules and buffers allocate on

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import Tensor
 __all__ = [
     "DEFAULT_SEQ_LENGTH",
     "ByteTokenizer",
+    "DataStats",
     "encode_record",
     "iter_jsonl",
     "global_batch",
@@ -128,14 +130,51 @@ def iter_jsonl(text: str, name: str) -> Iterator[tuple[Any, str]]:
             raise ValueError(f"{where}: malformed JSON ({e.msg})") from e
 
 
-def encode_record(record: dict, tokenizer: ByteTokenizer, seq_length: int) -> dict[str, Tensor]:
+@dataclass
+class DataStats:
+    """What encoding records at a fixed ``seq_length`` cut or left without loss, per sample.
+
+    The examples log these per step: a sample that loses tokens trains on less than its record
+    says, and one without loss tokens trains on nothing (it still counts in the batch size).
+    """
+
+    samples: int = 0
+    """Samples encoded."""
+    truncated: int = 0
+    """Samples longer than ``seq_length + 1`` tokens (bos + bytes + eos), cut at the end."""
+    cut_loss_tokens: int = 0
+    """Loss tokens (response or text bytes, and the eos) that truncation removed."""
+    no_loss_tokens: int = 0
+    """Samples left with no loss token: the prompt alone fills ``seq_length``."""
+    eos_only: int = 0
+    """Samples whose response (or text) is empty: the only loss token is the eos."""
+
+    def add(self, other: DataStats) -> None:
+        """Accumulate ``other`` into this one (a run's total from its steps)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_record(self) -> dict[str, int]:
+        """The counts as metrics fields (``samples`` excluded: it is the global batch size)."""
+        return {
+            "truncated_samples": self.truncated,
+            "cut_loss_tokens": self.cut_loss_tokens,
+            "no_loss_token_samples": self.no_loss_tokens,
+            "eos_only_samples": self.eos_only,
+        }
+
+
+def encode_record(
+    record: dict, tokenizer: ByteTokenizer, seq_length: int, stats: DataStats | None = None
+) -> dict[str, Tensor]:
     """One sample, set up for next-token prediction and cut or padded to ``seq_length``.
 
     ``ids = [bos] + prompt + response + [eos]`` (or ``[bos] + text + [eos]``); ``tokens`` is
     ``ids[:-1]`` and ``labels`` is ``ids[1:]``, so position ``t`` predicts ``labels[t]``. The
     loss mask is 1 where the label is a response byte or the final eos (any byte or the eos for
     text records), 0 on prompt labels and padding. Truncation drops the end, so a long prompt
-    can leave a sequence with no loss tokens at all; the reductions must handle that.
+    can leave a sequence with no loss tokens at all; the reductions must handle that. ``stats``,
+    when given, counts what was cut (:class:`DataStats`).
     """
     if seq_length < 1:
         raise ValueError(f"seq_length must be a positive integer, got {seq_length}")
@@ -150,7 +189,14 @@ def encode_record(record: dict, tokenizer: ByteTokenizer, seq_length: int) -> di
     # Label j is ids[j + 1]: the prompt bytes are labels 0..len(prompt)-1, the rest is target.
     mask = [0.0] * len(prompt) + [1.0] * (len(target) + 1)
     tokens, labels = ids[:-1][:seq_length], ids[1:][:seq_length]
-    mask = mask[:seq_length]
+    kept = mask[:seq_length]
+    if stats is not None:
+        stats.samples += 1
+        stats.truncated += len(mask) > seq_length
+        stats.cut_loss_tokens += int(sum(mask) - sum(kept))
+        stats.no_loss_tokens += not any(kept)
+        stats.eos_only += not target and any(kept)
+    mask = kept
     pad = seq_length - len(tokens)
     return {
         "tokens": torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64),
@@ -175,12 +221,14 @@ def global_batch(
     seq_length: int,
     seed: int,
     tokenizer: ByteTokenizer,
+    stats: DataStats | None = None,
 ) -> dict[str, Tensor]:
     """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``.
 
     Samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
     fresh seeded permutation each epoch. Every rank can build it and keep its own slice
-    (:func:`microbatches`); nothing here depends on the parallel layout.
+    (:func:`microbatches`); nothing here depends on the parallel layout. ``stats``, when given,
+    counts what encoding cut (:class:`DataStats`), for the whole global batch.
     """
     if not records:
         raise ValueError("records is empty")
@@ -197,7 +245,7 @@ def global_batch(
         if epoch not in perms:
             perms[epoch] = _epoch_permutation(n, seed, epoch)
         record = records[int(perms[epoch][pos])]
-        samples.append(encode_record(record, tokenizer, seq_length))
+        samples.append(encode_record(record, tokenizer, seq_length, stats))
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 

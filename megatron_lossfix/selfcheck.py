@@ -653,6 +653,14 @@ class SelfCheckingSchedule:
         self.last_error = error
         if not error <= self.tolerance:
             raise SelfCheckError(self._message(error, call["num_microbatches"], plan))
+        # Every rank measured the same error (it is all-reduced): one line for the whole run.
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(
+                f"megatron_lossfix self-check passed: re-running the first step's data "
+                f"{self._how(call['num_microbatches'], plan)} changed the gradient by "
+                f"{error:.2g} (relative L2; tolerance {self.tolerance:g})",
+                flush=True,
+            )
         return result
 
     def _eval_mode_runs(
@@ -725,18 +733,22 @@ class SelfCheckingSchedule:
             kwargs["micro_batch_size"] = plan.micro_batch_size
         self.schedule(**kwargs)
 
+    @staticmethod
+    def _how(num_microbatches: int, plan: ResplitPlan | None) -> str:
+        """How the re-run split the step, for the pass and failure messages."""
+        if plan is None:
+            return f"in the same {num_microbatches} micro-batches here (other ranks re-split)"
+        if plan.kind == "shuffle":
+            return f"in {num_microbatches} micro-batches with their rows dealt differently"
+        cut = "each micro-batch cut in" if plan.kind == "split" else "merged in groups of"
+        return (
+            f"as {plan.num_microbatches} micro-batches instead of {num_microbatches} "
+            f"({cut} {plan.factor})"
+        )
+
     def _message(self, error: float, num_microbatches: int, plan: ResplitPlan | None) -> str:
         reduction = getattr(getattr(self.schedule, "config", None), "reduction", None)
-        if plan is None:
-            how = f"in the same {num_microbatches} micro-batches here (other ranks re-split)"
-        elif plan.kind == "shuffle":
-            how = f"in {num_microbatches} micro-batches with their rows dealt differently"
-        else:
-            cut = "each micro-batch cut in" if plan.kind == "split" else "merged in groups of"
-            how = (
-                f"as {plan.num_microbatches} micro-batches instead of {num_microbatches} "
-                f"({cut} {plan.factor})"
-            )
+        how = self._how(num_microbatches, plan)
         return (
             f"megatron_lossfix self-check failed: re-running the first step's data {how} "
             f"changed the gradient by {error:.3g} (relative L2; tolerance {self.tolerance:g})"

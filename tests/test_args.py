@@ -76,3 +76,35 @@ def test_debug_flags_reach_the_config():
 def test_unknown_mode_is_refused_by_the_parser():
     with pytest.raises(SystemExit):
         add_lossfix_args(argparse.ArgumentParser()).parse_args(["--loss-reduction", "mean"])
+
+
+def _schedule(argv):
+    from megatron_lossfix.args import schedule_from_args
+
+    return schedule_from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_schedule_from_args_without_the_flag_is_stock():
+    """The own-loop recipe works without --loss-reduction: mode off (stock Megatron), where
+    LossFixSchedule(from_args(args)) would get None."""
+    from megatron_lossfix import LossFixSchedule
+
+    schedule = _schedule([])
+    assert isinstance(schedule, LossFixSchedule) and schedule.config.reduction == "off"
+
+
+def test_schedule_from_args_takes_the_mode_and_the_self_check():
+    from megatron_lossfix import LossFixSchedule
+    from megatron_lossfix.selfcheck import SelfCheckingSchedule
+
+    plain = _schedule(["--loss-reduction", "sequence_mean", "--lossfix-no-validate"])
+    assert isinstance(plain, LossFixSchedule)
+    assert plain.config.reduction == "sequence_mean" and not plain.config.validate
+    flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
+    checked = _schedule([*flags, "--lossfix-self-check-tolerance", "0.01"])
+    assert isinstance(checked, SelfCheckingSchedule) and checked.tolerance == 0.01
+    assert checked.config.reduction == "sum"  # the wrapped schedule's config shows through
+    with pytest.raises(ValueError, match="needs --loss-reduction"):
+        _schedule(["--lossfix-self-check"])
+    with pytest.raises(ValueError, match="--loss-norm-constant"):
+        _schedule(["--loss-reduction", "token_mean", "--loss-norm-constant", "4"])

@@ -10,6 +10,7 @@ import torch
 from megatron_lossfix.datasets import (
     DEFAULT_SEQ_LENGTH,
     ByteTokenizer,
+    DataStats,
     encode_record,
     global_batch,
     load_records,
@@ -105,6 +106,42 @@ def test_truncation_keeps_the_start():
 def test_empty_response_still_has_the_eos_loss_token():
     sample = encode_record({"prompt": "Say nothing.", "response": ""}, TOK, 32)
     assert _masked_labels(sample) == [TOK.eos_id]
+
+
+def test_stats_count_what_encoding_cuts():
+    stats = DataStats()
+    encode_record({"prompt": "abc", "response": "defghij"}, TOK, 5, stats)  # 8 loss tokens, 2 kept
+    encode_record({"prompt": "x" * 20, "response": "y"}, TOK, 8, stats)  # prompt fills the window
+    encode_record({"prompt": "Say nothing.", "response": ""}, TOK, 32, stats)  # eos alone
+    encode_record({"text": "abcd"}, TOK, 5, stats)  # fits exactly: nothing lost
+    assert stats == DataStats(
+        samples=4, truncated=2, cut_loss_tokens=6 + 2, no_loss_tokens=1, eos_only=1
+    )
+    assert stats.as_record() == {
+        "truncated_samples": 2,
+        "cut_loss_tokens": 8,
+        "no_loss_token_samples": 1,
+        "eos_only_samples": 1,
+    }
+
+
+def test_global_batch_stats_match_the_masks():
+    # At seq_length 24: the prompt record loses both loss tokens (response byte and eos) and has
+    # none left; the long text keeps 24 of its 51; the short text fits.
+    records = [{"prompt": "p" * 30, "response": "r"}, {"text": "t" * 50}, {"text": "short"}]
+    stats = DataStats()
+    batch = global_batch(
+        records, 0, global_batch_size=6, seq_length=24, seed=3, tokenizer=TOK, stats=stats
+    )
+    first = [chr(c) for c in batch["labels"][:, 0].tolist()]
+    assert stats.samples == 6 and stats.eos_only == 0
+    assert stats.no_loss_tokens == first.count("p") == int((batch["loss_mask"].sum(1) == 0).sum())
+    assert stats.truncated == first.count("p") + first.count("t")
+    assert stats.cut_loss_tokens == 2 * first.count("p") + 27 * first.count("t")
+    total = DataStats()
+    total.add(stats)
+    total.add(stats)
+    assert total.truncated == 2 * stats.truncated and total.samples == 12
 
 
 def test_encode_record_errors():

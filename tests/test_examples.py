@@ -6,6 +6,7 @@ agree to 1e-5 relative for 3 iterations; with ``--loss-reduction off`` they must
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -78,3 +79,154 @@ def test_pretrain_gpt_cp_and_ep_layouts_agree(tmp_path, layout_args):
                       "--micro-batch-size", "2", *layout_args)  # fmt: skip
     loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
     assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff)
+
+
+# --- mistakes end as one line, before distributed start-up --------------------------------
+
+
+def _script(name: str):
+    """An example script as a module (its checks run in this process: no torch.distributed)."""
+    spec = importlib.util.spec_from_file_location(name[:-3], ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scripts() -> dict:
+    return {name: _script(name) for name in ("pretrain_gpt.py", "grpo_gpt.py")}
+
+
+def _one_line_error(scripts, capsys, monkeypatch, name: str, args: list[str], **env: str) -> str:
+    """Run ``main(args)`` as rank ``env["RANK"]`` of ``env["WORLD_SIZE"]``; it must exit 2 with
+    at most one line, ``<script>: error: ...``, and no traceback. Returns that line."""
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        scripts[name].main(args)
+    out = capsys.readouterr()
+    assert exc.value.code == 2, out
+    assert out.out == "" and "Traceback" not in out.err, out
+    lines = out.err.strip().splitlines()
+    assert len(lines) <= 1 and all(line.startswith(f"{name}: error: ") for line in lines), out
+    return lines[0] if lines else ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--micro-batch-size", "0"], "argument --micro-batch-size: must be a positive integer"),
+        (["--data-path", "no/such.jsonl"], "--data-path no/such.jsonl: No such file or directory"),
+        (["--loss-norm-constant", "0"], "--loss-norm-constant applies only to"),
+        (["--loss-reduction", "seq_mean_token_sum_norm", "--loss-norm-constant", "0"], "> 0"),
+        (["--data-path", "{bad}"], "line 2: malformed JSON"),
+        (["--global-batch-size", "10"], "--global-batch-size 10 is not divisible by"),
+        (["--context-parallel-size", "2"], "cannot hold"),
+        (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4"),
+        (["--loss-reduction", "mean"], "invalid choice: 'mean'"),
+    ],
+    ids=["mbs0", "missing-data", "norm-constant", "norm-constant-0", "bad-jsonl", "gbs", "cp",
+         "heads", "mode"],
+)  # fmt: skip
+def test_pretrain_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
+    args = [a.replace("{bad}", str(bad)) for a in args]
+    line = _one_line_error(scripts, capsys, monkeypatch, "pretrain_gpt.py", args)
+    assert message in line, (message, line)
+
+
+def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
+    """Every rank checks with torchrun's WORLD_SIZE; only global rank 0 prints, all exit 2."""
+    args = ["--global-batch-size", "12", "--micro-batch-size", "4"]  # 12 % (2 x 4) != 0
+    line = _one_line_error(
+        scripts, capsys, monkeypatch, "pretrain_gpt.py", args, WORLD_SIZE="2", RANK="0"
+    )
+    assert "data-parallel size 2 x --micro-batch-size 4" in line
+    assert "" == _one_line_error(
+        scripts, capsys, monkeypatch, "pretrain_gpt.py", args, WORLD_SIZE="2", RANK="1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rollouts", "no/such.jsonl"], "--rollouts no/such.jsonl: No such file or directory"),
+        (["--rollouts", "{bad}"], "line 1: 'response_ids' must be a list of token ids"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers", "2"], "sampling needs"),
+        (["--seq-length", "10"], "--seq-length 10 is too short"),
+        (["--num-generations", "0"], "argument --num-generations: must be a positive integer"),
+    ],
+    ids=["missing-rollouts", "bad-rollout", "sampling-pp", "seq-length", "generations"],
+)
+def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_ids": [1], "response_ids": "x", "advantage": 1.0}) + "\n")
+    args = [a.replace("{bad}", str(bad)) for a in args]
+    line = _one_line_error(scripts, capsys, monkeypatch, "grpo_gpt.py", args)
+    assert message in line, (message, line)
+
+
+def test_torchrun_mistake_prints_one_line_for_all_ranks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "examples" / "pretrain_gpt.py"), "--micro-batch-size", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert output.count("pretrain_gpt.py: error:") == 1, output
+    # torchrun reports the failed ranks in its own block; no frame of ours is in it.
+    assert 'examples/pretrain_gpt.py", line' not in output
+    assert "megatron_lossfix/" not in output.replace(str(ROOT), ""), output
+
+
+# --- what the data loses is counted and logged ----------------------------------------------
+
+
+def _expected_losses(records: list[dict], seq_length: int) -> dict:
+    """Plain-Python reference of the per-step counts for a step that holds every record once:
+    label positions are prompt bytes (no loss), then response bytes and the eos (loss)."""
+    out = {"truncated_samples": 0, "cut_loss_tokens": 0, "no_loss_token_samples": 0,
+           "eos_only_samples": 0}  # fmt: skip
+    for rec in records:
+        prompt = len(rec.get("prompt", "").encode())
+        target = len((rec.get("response") if "prompt" in rec else rec["text"]).encode())
+        positions = prompt + target + 1
+        kept = max(0, min(seq_length, positions) - prompt)
+        out["truncated_samples"] += positions > seq_length
+        out["cut_loss_tokens"] += target + 1 - kept
+        out["no_loss_token_samples"] += kept == 0
+        out["eos_only_samples"] += target == 0 and kept > 0
+    return out
+
+
+def test_pretrain_logs_what_the_data_loses(tmp_path):
+    records = [
+        {"prompt": "P" * 200, "response": "never seen"},  # the prompt fills the window
+        {"prompt": "Q", "response": "R" * 300},  # the response is cut
+        {"prompt": "Say nothing.", "response": ""},  # trains on the eos alone
+        {"text": "A short text."},  # fits
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # One step holds every record once (global batch = number of records).
+    args = ["--data-path", str(data), "--seq-length", "64", "--global-batch-size", "4",
+            "--micro-batch-size", "2", "--train-iters", "2", "--hidden-size", "32",
+            "--num-layers", "2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(ROOT / "examples" / "pretrain_gpt.py"), "--metrics-out",
+           str(tmp_path / "out" / "m.jsonl"), *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = _expected_losses(records, 64)
+    assert want["truncated_samples"] == 2 and want["no_loss_token_samples"] == 1  # the data
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "m.jsonl").read_text().splitlines()]
+    for rec in metrics:
+        assert {k: rec[k] for k in want} == want
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(" iteration")]
+    assert len(lines) == 2
+    for line in lines:
+        assert f"truncated: 2 ({want['cut_loss_tokens']} loss tokens cut)" in line
+        assert "no loss tokens: 1" in line and "eos only: 1" in line
+    assert "data: 8 samples over 2 iterations at --seq-length 64: 4 truncated" in proc.stdout

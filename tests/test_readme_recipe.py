@@ -1,0 +1,131 @@
+"""The README's "Use it in your training script" snippet, executed as printed.
+
+The ``python`` block of that section runs on two data-parallel ranks of a real Megatron-Core GPT,
+with ``it``, ``model``, ``M``, ``S`` and ``B`` supplied and ``sys.argv`` holding the flags:
+
+* without ``--loss-reduction`` it must be stock Megatron: the same gradient as
+  ``get_forward_backward_func()`` with Megatron-LM's loss (sum of masked losses, token count);
+* with ``--loss-reduction token_mean --lossfix-self-check`` the self-check runs as part of it
+  and prints one line with the measured error, and the gradient is no longer stock's (which
+  shows the first comparison can fail);
+* the evaluation call the README describes (``forward_only=True``) reports the same loss as the
+  training step on the same data and weights.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT.joinpath("README.md").read_text()
+
+
+def _recipe() -> str:
+    section = README.split("## Use it in your training script", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S)[1]
+
+
+def _relative(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a)
+    den = sum(float(b[k].double().norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
+def _run_recipe(code: str, argv: list[str], m: int = 3) -> dict:
+    """On each rank: a stock Megatron step, then the README snippet, then its evaluation call."""
+    import contextlib
+    import io
+    import sys
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.testing.tiny_gpt import (
+        Layout,
+        build_tiny_gpt,
+        gather_full_grads,
+        init_layout,
+        set_deterministic_params,
+    )
+
+    layout = init_layout(Layout())
+    chunks, config = build_tiny_gpt(layout, seq_len=16)
+    set_deterministic_params(chunks, 1234)
+    case = OracleCase()
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    sizes = microbatch_plan(case, dp, m)[rank]
+    batch = make_global_batch(case, config.vocab_size)
+    start = rank * sum(sizes)
+    parts = {k: torch.split(v[start : start + sum(sizes)], sizes) for k, v in batch.items()}
+    mbs = [{k: parts[k][i] for k in parts} for i in range(m)]
+
+    def stock_step(data_iterator, model):
+        # Megatron-LM's pretrain_gpt loss: masked sum and token count (the 3-tuple path).
+        mb = next(data_iterator)
+        out = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+        mask = mb["loss_mask"]
+        return out, lambda o: ((o * mask).sum(), mask.sum().int(), {})
+
+    call = dict(model=chunks[0], num_microbatches=m, seq_length=16, micro_batch_size=sizes[0])
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=stock_step, data_iterator=iter(mbs), forward_only=False, **call
+    )
+    stock = gather_full_grads(chunks)
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    saved_argv = sys.argv
+    sys.argv = ["train.py", *argv]
+    names = {"it": iter(mbs), "model": chunks[0], "M": m, "S": 16, "B": sizes[0]}
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "README.md", "exec"), names)
+    finally:
+        sys.argv = saved_argv
+    recipe = gather_full_grads(chunks)
+    schedule = names["schedule"]
+    train_loss = names["metrics"]["loss"]
+    schedule(
+        forward_step_func=names["forward_step"], data_iterator=iter(mbs), forward_only=True, **call
+    )
+    return {
+        "printed": printed.getvalue(),
+        "reduction": schedule.config.reduction,
+        "stock": stock,
+        "recipe": recipe,
+        "train_loss": train_loss,
+        "eval_loss": schedule.step_metrics()["loss"],
+    }
+
+
+def test_recipe_without_the_flag_is_stock_megatron(dist_pool):
+    results = dist_pool.run(_run_recipe, 2, _recipe(), [])
+    rank0 = results[0]
+    assert rank0["reduction"] == "off"
+    assert _relative(rank0["recipe"], rank0["stock"]) <= 1e-6
+    assert all("self-check" not in r["printed"] for r in results)
+    assert rank0["eval_loss"] == pytest.approx(rank0["train_loss"], rel=1e-6)
+
+
+def test_recipe_with_the_flag_normalizes_and_self_checks(dist_pool):
+    argv = ["--loss-reduction", "token_mean", "--lossfix-self-check"]
+    results = dist_pool.run(_run_recipe, 2, _recipe(), argv)
+    rank0 = results[0]
+    assert rank0["reduction"] == "token_mean"
+    # The plugin's gradient is not stock's on this data (micro-batches hold different numbers
+    # of loss tokens): the stock comparison above is not vacuous.
+    assert _relative(rank0["recipe"], rank0["stock"]) > 1e-3
+    lines = [line for r in results for line in r["printed"].splitlines()]
+    passed = [line for line in lines if line.startswith("megatron_lossfix self-check passed")]
+    assert len(passed) == 1, lines  # one line for the run, not one per rank
+    error = float(re.search(r"changed the gradient by (\S+) ", passed[0])[1])
+    assert error <= 1e-5, passed[0]
+    assert rank0["eval_loss"] == pytest.approx(rank0["train_loss"], rel=1e-6)
