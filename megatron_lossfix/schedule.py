@@ -205,6 +205,8 @@ class _Observer:
         return self._on_batch(next(self._source))
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_source", "_on_batch"):  # not set yet (copy, unpickling)
+            raise AttributeError(name)
         return getattr(self._source, name)
 
 
@@ -303,7 +305,11 @@ class LossFixSchedule:
             groups=None,
             num_microbatches=num_microbatches,
             model=model,
-            pg_collection=kwargs.get("pg_collection") or self._pg_collection,
+            pg_collection=(
+                self._pg_collection
+                if kwargs.get("pg_collection") is None
+                else kwargs["pg_collection"]
+            ),
         )
         self.last_step = state
         # Only the loss chunk's iterator is looked through (the last one; on other pipeline
@@ -530,7 +536,9 @@ class LossFixSchedule:
         the counts on the loss stage, None elsewhere; raises on every rank when any refused.
         """
         cfg = self.config
-        device = masks[0].device if masks else _default_device()
+        # On the accelerator whatever device the masks are on: NCCL reduces CUDA tensors only,
+        # and every stage must bring the same kind of tensor to the pipeline all-reduce.
+        device = _default_device()
         fp = self._fingerprint(per_token)
         rank = dist.get_rank() if dist.is_initialized() else 0
         vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=device)
@@ -546,7 +554,7 @@ class LossFixSchedule:
             if problem is None:
                 if cfg.validate:
                     bad = bad_mask_values(masks)
-                    flagged = bad.any().to(torch.float64)
+                    flagged = bad.any().to(device=device, dtype=torch.float64)
                     vec[_PROBLEMS] += flagged
                     vec[_RANK_SUM] += flagged * (rank + 1)
                     vec[_KIND0 + _MASK_VALUES] += flagged
@@ -563,7 +571,7 @@ class LossFixSchedule:
             if sharded_cp and problem is None and vec[_PROBLEMS].item() == 0:
                 local_counts = self._count(masks, segments, groups.cp)
                 totals = torch.stack([local_counts.num_tokens, local_counts.num_sequences])
-                totals = self._reduce(totals, groups.dp)
+                totals = self._reduce(totals.to(device), groups.dp)
                 vec[_N], vec[_S] = totals[0] * groups.cp_size, totals[1] * groups.cp_size
         if groups.pp_size > 1:
             vec = self._reduce(vec, groups.pp)
@@ -572,9 +580,10 @@ class LossFixSchedule:
             return None
         # Every CP rank holds the same sequences (whole, or after the CP sum of shards).
         replicas = float(groups.cp_size)
+        mask_device = masks[0].device
         return StepCounts(
-            num_tokens=vec[_N] / replicas,
-            num_sequences=vec[_S] / replicas,
+            num_tokens=(vec[_N] / replicas).to(mask_device),
+            num_sequences=(vec[_S] / replicas).to(mask_device),
             seq_tokens=local_counts.seq_tokens,
             mb_tokens=local_counts.mb_tokens,
             dp_size=groups.dp_size,
