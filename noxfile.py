@@ -3,7 +3,8 @@
     python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
 
 runs them all (that is the README's test command and what CI runs); ``nox -s tests-3.11`` runs
-one, and arguments after ``--`` replace pytest's default ``tests`` (``-- tests/test_args.py``). Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
+one, and arguments after ``--`` replace pytest's default ``tests`` (``-- tests/test_args.py``).
+Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
 megatron-core and this project with its test extras, and runs the suite on CPU/gloo:
 
 * ``tests-3.11``: Python 3.11, torch's CPU wheel, megatron-core 0.16.1 (the last release that
@@ -73,4 +74,4 @@ def tests_312(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests"]))
     for release in OLDER_312:
         session.install(f"megatron-core=={release}")
-        session.run("python", "-m", "pytest", "-q", *MATRIX_TESTS)
+        session.run("python", "-m", "pytest", "-q", *(session.posargs or MATRIX_TESTS))
