@@ -3,7 +3,8 @@
     python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
 
 runs them all (that is the README's test command and what CI runs); ``nox -s tests-3.11`` runs
-one. Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
+one, and arguments after ``--`` replace pytest's default ``tests`` (``-- tests/test_args.py``).
+Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
 megatron-core and this project with its test extras, and runs the suite on CPU/gloo:
 
 * ``tests-3.11``: Python 3.11, torch's CPU wheel, megatron-core 0.16.1 (the last release that
@@ -63,14 +64,14 @@ def _install(session: nox.Session, megatron_core: str) -> None:
 def tests_311(session: nox.Session) -> None:
     """Whole suite on megatron-core 0.16.1."""
     _install(session, LATEST["3.11"])
-    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests"]))
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
     """Whole suite on megatron-core 0.19.2, then the release checks on 0.17.1 and 0.18.2."""
     _install(session, LATEST["3.12"])
-    session.run("python", "-m", "pytest", "-q", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests"]))
     for release in OLDER_312:
         session.install(f"megatron-core=={release}")
-        session.run("python", "-m", "pytest", "-q", *MATRIX_TESTS)
+        session.run("python", "-m", "pytest", "-q", *(session.posargs or MATRIX_TESTS))

@@ -39,7 +39,15 @@ One world size by hand (timing only, table printed by rank 0)::
     torchrun --standalone --nproc-per-node 2 examples/benchmark.py --phase time
 
 On a machine with GPUs the workers use NCCL and peak memory is
-``torch.cuda.max_memory_allocated``.
+``torch.cuda.max_memory_allocated``. The GPU runs in the README (one H100, steps over 100 ms)::
+
+    python examples/benchmark.py --ranks 1 --num-layers 8 --hidden-size 1024 \
+        --num-attention-heads 16 --seq-length 1024 --global-batch-size 8 --rounds 5 \
+        --steps-per-round 2
+    python examples/benchmark.py --ranks 1 --bf16 --num-layers 4 --hidden-size 2048 \
+        --num-attention-heads 16 --seq-length 2048 --global-batch-size 8 --rounds 4 \
+        --steps-per-round 2 --no-memory --variants \
+        stock,stock-repeat,stock-per-token,off,token_mean,sequence_mean,sum,token_mean-per-token
 """
 
 from __future__ import annotations
@@ -118,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     model.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
     model.add_argument("--seed", type=int, default=1234, help="seed of weights and data")
+    model.add_argument(
+        "--bf16",
+        action="store_true",
+        help="Megatron-LM's --bf16: bf16 weights and activations in Float16Module, fp32 main "
+        "params, gradients and Adam state (default fp32)",
+    )
     run = parser.add_argument_group("benchmark")
     run.add_argument(
         "--ranks", default="1,2,4", help="comma-separated world sizes (data-parallel ranks)"
@@ -219,10 +233,13 @@ class Bench:
                 vocab=tokenizer.padded_vocab_size(8),
                 seq_len=args.seq_length,
                 calculate_per_token_loss=per_token,
+                bf16=args.bf16,
             )
             set_deterministic_params(chunks, args.seed)
             optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, weight_decay=0.0),
+                OptimizerConfig(
+                    optimizer="adam", lr=args.lr, clip_grad=1.0, weight_decay=0.0, bf16=args.bf16
+                ),
                 chunks,
             )
             self.models[per_token] = (chunks[0], optimizer)
@@ -683,6 +700,7 @@ def _model_argv(args: argparse.Namespace) -> list[str]:
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
         "--global-batch-size", str(args.global_batch_size), "--lr", str(args.lr),
         "--seed", str(args.seed), "--workloads", ",".join(args.workload_list),
+        *(["--bf16"] if args.bf16 else []),
         "--variants", ",".join(v.name for v in args.variant_list),
         "--rounds", str(args.rounds), "--steps-per-round", str(args.steps_per_round),
         "--warmup", str(args.warmup), "--memory-steps", str(args.memory_steps),
@@ -733,6 +751,8 @@ def _fmt_ratio(values: list[float]) -> str:
 
 def _time_table(args: argparse.Namespace, timing: dict, memory: dict) -> str:
     lines = []
+    # What the fresh memory processes measure (see _memory_phase).
+    peak_name = "GPU memory" if torch.cuda.is_available() else "RSS"
     for world, result in sorted(timing.items()):
         for workload, rounds in result["rounds"].items():
             lines += [
@@ -742,8 +762,9 @@ def _time_table(args: argparse.Namespace, timing: dict, memory: dict) -> str:
                 f"per rank",
                 "",
                 "| variant | vs | step ms (median) | step time ratio | fwd-bwd time ratio "
-                "| step CPU-time ratio | peak RSS ratio | step tensor peak ratio |",
-                "|---|---|---:|---:|---:|---:|---:|---:|",
+                f"| step CPU-time ratio | peak {peak_name} ratio | step tensor peak ratio "
+                "| step time vs off | step tensor peak vs off |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for v in args.variant_list:
                 if v.name not in rounds[0]:
@@ -760,12 +781,17 @@ def _time_table(args: argparse.Namespace, timing: dict, memory: dict) -> str:
                 if v.name in tensor and base in tensor:
                     ratio = tensor[v.name] / max(tensor[base], 1.0)
                     tensor_s = f"{ratio:.4f} ({tensor[v.name] / 2**20:.2f} MiB)"
+                vs_off = tensor_off = "-"
+                if v.mode is not None and not v.per_token and "off" in rounds[0]:
+                    vs_off = _fmt_ratio(_ratios(rounds, v.name, "off", "step_s"))
+                    if v.name in tensor and "off" in tensor:
+                        tensor_off = f"{tensor[v.name] / max(tensor['off'], 1.0):.4f}"
                 lines.append(
                     f"| {v.name} | {base} | {1000 * statistics.median(all_steps):.0f} "
                     f"| {_fmt_ratio(_ratios(rounds, v.name, base, 'step_s'))} "
                     f"| {_fmt_ratio(_ratios(rounds, v.name, base, 'fb_s'))} "
                     f"| {_fmt_ratio(_ratios(rounds, v.name, base, 'cpu_s'))} "
-                    f"| {peak_s} | {tensor_s} |"
+                    f"| {peak_s} | {tensor_s} | {vs_off} | {tensor_off} |"
                 )
             lines += _overhead_table(args, result.get("overhead", {}).get(workload, {}))
     return "\n".join(lines)
@@ -841,7 +867,8 @@ def driver_main(args: argparse.Namespace) -> None:
         f"Machine: {machine}; load average at end {os.getloadavg()[0]:.2f} "
         f"(in the timing workers: {', '.join(f'{x:.2f}' for x in loads)}).",
         f"Model: GPT, {args.num_layers} layers, hidden {args.hidden_size}, "
-        f"{args.num_attention_heads} heads, seq {args.seq_length}, fp32, global batch "
+        f"{args.num_attention_heads} heads, seq {args.seq_length}, "
+        f"{'bf16' if args.bf16 else 'fp32'}, global batch "
         f"{args.global_batch_size}, micro-batch {args.micro_batch_size}; Adam, clip 1.0.",
         f"Timing: {args.rounds} rounds x {args.steps_per_round} steps per variant, round-robin "
         f"(order rotated each round), after {args.warmup} warm-up steps; ratio = per-round "

@@ -11,7 +11,9 @@ Launch (CPU, fp32, about 2 minutes on 2 cores)::
 
     python examples/benchmark_logprobs.py --device cpu --tokens 2048 --vocabs 32768,131072,151936
 
-On a GPU: ``python examples/benchmark_logprobs.py --device cuda --dtype bfloat16``.
+On a GPU (the README's figures, one H100)::
+
+    python examples/benchmark_logprobs.py --device cuda --dtype bfloat16 --tokens 8192 --iters 10
 """
 
 from __future__ import annotations
@@ -103,10 +105,11 @@ def _sync(device: torch.device) -> None:
 
 def _make_inputs(args: argparse.Namespace, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     device = torch.device(args.device)
-    gen = torch.Generator().manual_seed(args.seed)
-    logits = torch.randn(args.tokens, vocab, generator=gen).mul_(2.0)
-    logits = logits.to(device, getattr(torch, args.dtype)).requires_grad_(True)
-    target = torch.randint(0, vocab, (args.tokens,), generator=gen).to(device)
+    # Drawn where they are used: a CPU draw of GBs of logits would dominate a GPU run.
+    gen = torch.Generator(device).manual_seed(args.seed)
+    logits = torch.randn(args.tokens, vocab, generator=gen, device=device).mul_(2.0)
+    logits = logits.to(getattr(torch, args.dtype)).requires_grad_(True)
+    target = torch.randint(0, vocab, (args.tokens,), generator=gen, device=device)
     # Warm up on a tiny problem so one-time allocations (thread pools, kernels, autograd engine)
     # land in the baseline instead of being charged to the first big call.
     small = torch.randn(8, 64, device=device, dtype=logits.dtype, requires_grad=True)

@@ -5,23 +5,27 @@ from global token and sequence counts reduced once per step; the schedule hook u
 internal averaging. The same gradient results under any micro-batch size and parallel layout.
 
 Importing the package does not import Megatron; modules that need it (``lora``, ``selfcheck``,
-``audit``, ``megatron_lm``, ``cpu_compat``) are imported by name.
+``audit``, ``megatron_lm``) are imported by name. ``enable_cpu_megatron`` (the CPU bridge) is
+exported here: its module imports Megatron only when the bridge is switched on.
 """
 
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.losses import token_cross_entropy, weighted_loss, weighted_sum
 from megatron_lossfix.reduction import REDUCTIONS, loss_weights
 from megatron_lossfix.rl_losses import grpo_advantages, rl_objective, scale_advantages
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.schedule import LossFixSchedule, StepRefused
 
 __all__ = [
     "MODES",
     "REDUCTIONS",
     "LossFixConfig",
     "LossFixSchedule",
+    "StepRefused",
     "add_lossfix_args",
+    "enable_cpu_megatron",
     "from_args",
     "grpo_advantages",
     "loss_weights",

@@ -35,6 +35,12 @@ __all__ = ["naive_logprobs_entropy", "vocab_parallel_logprobs_entropy"]
 #: Default chunk budget in elements: a 16 MiB fp32 scratch buffer, whatever the vocabulary.
 CHUNK_ELEMENTS = 1 << 22
 
+#: On CUDA the default chunk may grow to this fraction of the logits' bytes: each chunk costs a
+#: few dozen kernel launches and Python dispatches, so 16 MiB chunks (27 rows at 152k vocab)
+#: would make the kernel launch-bound and slower than ``log_softmax``; 1/8 keeps the extra
+#: memory at about 12.5% of the logits with at most a few dozen chunks.
+CUDA_CHUNK_FRACTION = 8
+
 
 def _tp_size(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
@@ -180,7 +186,8 @@ def vocab_parallel_logprobs_entropy(
         tp_group: tensor-parallel group the vocabulary is split over; ``None`` means unsplit.
         chunk_size: tokens per chunk; peak extra memory is about ``chunk_size * V_local * 4``
             bytes. Default: as many tokens as fit :data:`CHUNK_ELEMENTS` fp32 values (16 MiB),
-            small next to any logits tensor and cache-friendly on CPU.
+            small next to any logits tensor and cache-friendly on CPU; on CUDA at least enough
+            tokens for a scratch buffer of 1/:data:`CUDA_CHUNK_FRACTION` of the logits' bytes.
         vocab_start_index: first global id held by this rank; defaults to
             ``tp_rank * V_local`` (Megatron's layout), or 0 without ``tp_group``.
 
@@ -194,6 +201,11 @@ def vocab_parallel_logprobs_entropy(
         )
     if chunk_size is None:
         chunk_size = max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        if logits.is_cuda:
+            # fp32 scratch of chunk_size rows <= logits bytes / CUDA_CHUNK_FRACTION.
+            n_tok = logits.numel() // max(1, logits.shape[-1])
+            rows = n_tok * logits.element_size() // (4 * CUDA_CHUNK_FRACTION)
+            chunk_size = max(chunk_size, rows)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):

@@ -36,10 +36,66 @@ def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     return stats
 
 
+def _stock_contributions(state: _StepState, sizes: tuple[int, int, int]) -> list:
+    """``off``: each micro-batch's share of the loss stock Megatron optimizes (None: unknown)."""
+    m, d, cp = sizes
+    out = []
+    for loss, num_tokens in state.raw:
+        if loss is None or state.per_token:
+            out.append(loss)  # per-token mode: the plain sum, divided by N below
+        elif num_tokens is None:  # stock 2-tuple: loss * cp / M, grads / (D * cp)
+            out.append(loss / (m * d))
+        else:
+            out.append(loss / torch.clamp(num_tokens, min=1) / (m * d * cp))
+    return out
+
+
 def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
     groups = state.groups
+    stock = state.reduction == "off"
+    stats = _scalar_stats(state.reports)
+    sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
+    maxes = sorted(k for k in stats if k.endswith("_max"))
+    mins = sorted(k for k in stats if k.endswith("_min"))
+    device = state.masks[0].device if state.masks else torch.device("cpu")
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if stock:
+        shares = _stock_contributions(
+            state, (state.num_microbatches, groups.dp_size, groups.cp_size)
+        )
+        known = [c.double() for c in shares if c is not None]
+        tuple_tokens = [n for _, n in state.raw if n is not None]
+        # What this rank could not see; summed over DP x CP so that every rank decides alike.
+        unseen = [
+            float(len(known) < len(shares)),
+            float(len(tuple_tokens) < len(state.raw)),
+            float(state.unmasked > 0 or not state.masks),
+        ]
+        device = known[0].device if known else device
+    else:
+        known = state.contributions
+        tuple_tokens, unseen = [], [0.0, 0.0, 0.0]
+    loss = torch.stack(known).double().sum() if known else zero.to(device)
+    tokens = (
+        torch.stack([n.double().sum().to(device) for n in tuple_tokens]).sum()
+        if tuple_tokens
+        else zero.to(device)
+    )
+    sum_vec = torch.stack(
+        [
+            loss,
+            tokens,
+            *(torch.tensor(u, dtype=torch.float64, device=device) for u in unseen),
+            *(torch.stack(stats[k]).sum().to(device) for k in sums),
+        ]
+    )
+    if dist.is_initialized() and groups.dp_cp is not None:
+        dist.all_reduce(sum_vec, group=groups.dp_cp)
+    no_loss, no_tuple_tokens, no_masks = (bool(v > 0) for v in sum_vec[2:5].tolist())
+    out: dict[str, Any] = {k: sum_vec[5 + i] for i, k in enumerate(sums)}
     counts = state.counts
-    if counts is None:  # streaming modes counted nothing before the step
+    if counts is None and not no_masks:
+        # ``off`` counted nothing before the step (it communicates nothing): count now.
         counts = count_tokens(
             state.masks,
             dp_group=groups.dp,
@@ -47,26 +103,22 @@ def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
             segment_ids=[seg for seg, _ in state.segments],
             num_segments=[num for _, num in state.segments],
         )
-    stats = _scalar_stats(state.reports)
-    sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
-    maxes = sorted(k for k in stats if k.endswith("_max"))
-    mins = sorted(k for k in stats if k.endswith("_min"))
-    device = counts.num_tokens.device
-    loss = torch.stack(state.contributions).double().sum() if state.contributions else (
-        torch.zeros((), dtype=torch.float64, device=device)
-    )
-    sum_vec = torch.stack([loss, *(torch.stack(stats[k]).sum() for k in sums)])
-    if dist.is_initialized() and groups.dp_cp is not None:
-        dist.all_reduce(sum_vec, group=groups.dp_cp)
-    out = {
-        "loss": sum_vec[0],
-        "num_tokens": counts.num_tokens,
-        "num_sequences": counts.num_sequences,
-        **{k: sum_vec[1 + i] for i, k in enumerate(sums)},
-    }
-    if state.streaming and state.per_token:
-        # Megatron's per-token mode divides the summed loss by the global token count.
-        out["loss"] = out["loss"] / counts.num_tokens.clamp(min=1)
+    num_tokens = None
+    if counts is not None:
+        num_tokens = counts.num_tokens
+        out["num_sequences"] = counts.num_sequences
+    elif not no_tuple_tokens and state.raw:
+        num_tokens = sum_vec[1]  # each CP rank's 3-tuple counts its own shard
+    if num_tokens is not None:
+        out["num_tokens"] = num_tokens
+    if not no_loss:
+        out["loss"] = sum_vec[0]
+        if state.passthrough and state.per_token:
+            # Megatron's per-token mode divides the summed loss by the global token count.
+            if num_tokens is None:
+                del out["loss"]
+            else:
+                out["loss"] = sum_vec[0] / num_tokens.clamp(min=1)
     if maxes or mins:
         max_vec = torch.stack(
             [torch.stack(stats[k]).max() for k in maxes]
@@ -83,6 +135,17 @@ def reduce_step_metrics(state: _StepState | None, config: LossFixConfig) -> dict
     """Global metrics of the last step, returned on every rank of the pipeline group."""
     if state is None:
         raise ValueError("no step has run yet: call the schedule before asking for its metrics")
+    if state.groups is None:
+        # ``off`` resolved nothing during the step (stock needs nothing of the plugin).
+        from megatron_lossfix.schedule import resolve_groups
+
+        state.groups = resolve_groups(state.pg_collection)
+    if state.per_token is None:
+        from megatron.core.utils import get_model_config
+
+        chunks = state.model if isinstance(state.model, list) else [state.model]
+        config_of_model = get_model_config(chunks[0])
+        state.per_token = bool(getattr(config_of_model, "calculate_per_token_loss", False))
     groups = state.groups
     metrics = _local_metrics(state, config) if groups.is_last_stage else None
     if groups.pp is not None and dist.get_world_size(groups.pp) > 1:

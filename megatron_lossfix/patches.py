@@ -13,8 +13,9 @@ The diffs are the repository's top-level ``patches/*.patch`` (the single source:
 install reads them there, a wheel installs them to ``<prefix>/share/megatron_lossfix/patches``,
 ``MEGATRON_LOSSFIX_PATCHES`` overrides both). Each one names the Megatron-Core version it was made
 for in a header line ``Megatron-Core-Version: X`` (``main`` for the development branch); the
-checkout's version is read from ``megatron/core/package_info.py``. A checkout whose version no
-patch names gets the first patch that applies cleanly, with a note.
+checkout's version is read from ``megatron/core/package_info.py``. The patch naming that version
+is used; otherwise one made for the same release series (``0.19.x``), then any other patch, the
+first that fits the tree exactly, with a note saying which.
 
 Every command is safe to repeat: ``apply`` on a patched tree and ``revert`` on a pristine one say
 so and change nothing; a tree that matches neither (edited, or another version) is refused with
@@ -224,22 +225,49 @@ def select_patch(
                 f"{info.path.name} expects (local edits?); nothing was changed.\n{message}"
             )
         return info, state, f"Megatron-Core {version}: patch {info.name}"
-    # No patch made for this version: take one that fits exactly (applied or applies cleanly).
-    for info in patches:
+    # No patch made for this version: one of the same release series (0.19.x) first; then, for
+    # a version newer than every release patch (the development branch), the main patch; then
+    # the releases, nearest first. The first that fits exactly (applied, or applies cleanly).
+    series = _series(version)
+    releases = sorted(
+        (p for p in patches if _series(p.version) is not None),
+        key=lambda p: abs(_number(p.version) - _number(version)),
+    )
+    ordered = [p for p in releases if _series(p.version) == series]
+    newest = max((_number(p.version) for p in releases), default=0.0)
+    if _number(version) > newest:
+        ordered += [p for p in patches if _series(p.version) is None]
+    ordered += [p for p in (*releases, *patches) if p not in ordered]
+    for info in ordered:
         if not all((target / f).is_file() for f in info.files):
             continue
         state, _ = _state(info, target)
         if state is not State.CONFLICT:
-            note = (
-                f"Megatron-Core {version} has no patch of its own; using {info.name} (made "
-                f"for {info.version}), which fits this tree exactly"
-            )
+            if _series(info.version) == series:
+                how = f"made for {info.version}, the same release series"
+            elif _series(info.version) is None and _number(version) > newest:
+                how = "made for the development branch; this version is newer than every release"
+            else:
+                how = f"made for {info.version}; this version has no patch of its own, and it fits"
+            note = f"Megatron-Core {version}: patch {info.name} ({how})"
             return info, state, note
     supported = ", ".join(f"{p.version} ({p.name})" for p in patches)
     raise PatchError(
         f"{target} is Megatron-Core {version}, which no patch supports (supported: "
         f"{supported}) and none applies cleanly; check out a supported Megatron-LM version"
     )
+
+
+def _number(version: str) -> float:
+    """A sortable number for ``MAJOR.MINOR.PATCH`` (minor and patch below 1000)."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return float(int(m[1]) * 1e6 + int(m[2]) * 1e3 + int(m[3])) if m else float("inf")
+
+
+def _series(version: str) -> str | None:
+    """``MAJOR.MINOR`` of a release version (``0.19`` for ``0.19.1``); None for ``main``."""
+    m = re.match(r"(\d+)\.(\d+)\.", version)
+    return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
 def check(target: Path, name: str | None = None, directory: Path | None = None) -> State:

@@ -1,12 +1,27 @@
 """A drop-in replacement for Megatron-Core's ``forward_backward_func`` that normalizes exactly.
 
 ``LossFixSchedule(config)(forward_step_func=..., data_iterator=..., model=..., ...)`` takes the
-same keyword arguments as the function returned by ``get_forward_backward_func()``. Per step it:
+same keyword arguments as the function returned by ``get_forward_backward_func()``.
 
-1. reads the step's micro-batches on the last pipeline stage (the loss stage) and counts loss
-   tokens and sequences with one all-reduce (``reduction.count_tokens``);
-2. puts per-token weights into every micro-batch dict (``batch[config.weights_key]``);
-3. runs Megatron's own schedule, wrapping each ``loss_func`` so that what Megatron receives,
+With ``reduction="off"`` it is stock Megatron: the wrapped function is called with the caller's
+arguments, nothing is communicated and nothing is required of the batches, the loss tuple, the
+iterator or the model config. It only looks on (the loss tuples Megatron receives, and loss masks
+where the micro-batches are dicts holding one, which it also hands to the loss function as
+``batch[config.weights_key]``) so that ``step_metrics()`` can report what it could see.
+
+With a plugin mode, per step it:
+
+1. reads the step's micro-batches on the last pipeline stage (the loss stage) before the schedule
+   starts and counts loss tokens and sequences;
+2. agrees with every rank of the step that the step can run: one all-reduce over the loss
+   stage's data x context-parallel group carries the counts together with the cross-rank checks,
+   and, with pipeline parallelism, one small all-reduce over the pipeline group hands the verdict
+   to the other stages. A problem on any rank (no mask, a non-dict batch, a missing or
+   unreadable iterator, a short iterator, a bad mask, an exception while reading) makes every
+   rank of the step raise, within the time of two small collectives, instead of leaving its
+   peers blocked in Megatron's point-to-point or gradient communication;
+3. puts per-token weights into every micro-batch dict (``batch[config.weights_key]``);
+4. runs Megatron's own schedule, wrapping each ``loss_func`` so that what Megatron receives,
    after its internal averaging, yields exactly ``sum(w * loss)``:
 
    ===========================  =============================  ==============================
@@ -17,8 +32,13 @@ same keyword arguments as the function returned by ``get_forward_backward_func()
    ===========================  =============================  ==============================
 
    With ``calculate_per_token_loss=True`` and ``token_mean``, Megatron's own deferred division
-   by the global token count already is the exact answer: no pre-pass (streaming data), the
-   weights are the mask, and ``(sum(m*l), n_local, report)`` goes through unchanged.
+   by the global token count already is the exact answer: the weights are the mask and
+   ``(sum(m*l), n_local, report)`` goes through unchanged.
+
+Not covered by the agreement: tensor-parallel peers (they read the same micro-batches and run
+the same checks, so they fail alike), and errors raised inside ``loss_func`` while Megatron's
+schedule runs (a malformed loss tuple), which can only be seen after the other stages have
+entered the pipeline; those raise on the loss stage only (see the README's Limits).
 
 User loss functions follow Tinker semantics: they return ``(sum(weights * per_token_loss),
 report)`` using the weights found in their micro-batch. Nothing inside the micro-batch loop
@@ -39,14 +59,13 @@ from megatron_lossfix.megatron_compat import schedule_for, warn_if_untested
 from megatron_lossfix.reduction import (
     StepCounts,
     _bad_mask_message,
-    _check_masks,
     _float_masks,
     bad_mask_values,
     count_tokens,
     weights_from_counts,
 )
 
-__all__ = ["LossFixSchedule", "StepGroups", "resolve_groups"]
+__all__ = ["LossFixSchedule", "StepGroups", "StepRefused", "resolve_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +77,9 @@ class StepGroups:
     cp: dist.ProcessGroup | None
     """Context-parallel group: per-sequence counts of CP-sharded data."""
     dp_cp: dist.ProcessGroup | None
-    """Data x context-parallel group: the step's reported loss."""
+    """Data x context-parallel group: the step's counts, checks and reported loss."""
     pp: dist.ProcessGroup | None
-    """Pipeline group: finding the last (loss) stage, sharing metrics with the other stages."""
+    """Pipeline group: finding the last (loss) stage, the verdict and metrics for every stage."""
 
     @property
     def dp_size(self) -> int:
@@ -71,6 +90,14 @@ class StepGroups:
         return _size(self.cp)
 
     @property
+    def dp_cp_size(self) -> int:
+        return _size(self.dp_cp)
+
+    @property
+    def pp_size(self) -> int:
+        return _size(self.pp)
+
+    @property
     def is_last_stage(self) -> bool:
         return self.pp is None or dist.get_rank(self.pp) == _size(self.pp) - 1
 
@@ -79,8 +106,16 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-class _ProblemOnAnotherRank(ValueError):
-    """Raised on every rank when some data-parallel rank's micro-batches failed validation."""
+class StepRefused(ValueError):
+    """Raised on every rank of a step the plugin refused (see the message for why).
+
+    On the rank whose data caused it the message says exactly what is wrong; on its peers (the
+    other data- and context-parallel ranks and the other pipeline stages) it names that rank and
+    the kind of problem."""
+
+
+class _ProblemOnAnotherRank(StepRefused):
+    """Raised on the ranks whose own data was fine when another rank of the step refused."""
 
 
 def _default_device() -> torch.device:
@@ -105,15 +140,42 @@ def resolve_groups(pg_collection: Any = None) -> StepGroups:
     )
 
 
+# ---------------------------------------------------------------------- the step's agreement
+# What a rank can report, one slot each in the agreement vector (several ranks may report).
+_KINDS: tuple[str, ...] = (
+    "the loss stage has no data iterator",
+    "the loss stage's data iterator could not be read",
+    "the loss stage's data iterator ran out before num_microbatches",
+    "a micro-batch is not a dict holding the loss mask",
+    "a loss mask is malformed",
+    "a loss mask holds values other than 0 and 1",
+    "an error while preparing the step",
+    "ranks disagree on the loss reduction or calculate_per_token_loss",
+)
+_NO_ITERATOR, _UNREADABLE, _RAN_OUT, _NOT_DICT, _MALFORMED, _MASK_VALUES, _OTHER, _DISAGREE = (
+    range(len(_KINDS))
+)
+# Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
+# (global rank + 1), one count per kind]. float64: exact for counts below 2**53.
+_N, _S, _FP, _FP2, _PROBLEMS, _RANK_SUM, _KIND0 = range(7)
+_VECTOR_LEN = _KIND0 + len(_KINDS)
+_PREFIX = "megatron_lossfix refused this step: "
+
+
+class _LocalProblem(Exception):
+    """This rank's reason to refuse the step (raised and caught inside the plugin)."""
+
+    def __init__(self, kind: int, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class _StepIterator:
-    """Yields one step's micro-batches with weights attached; remembers which came last.
+    """Yields one step's pre-read micro-batches with weights attached; remembers which came
+    last."""
 
-    ``source`` is either the step's pre-read micro-batches or, for streaming modes, the user's
-    iterator itself (read lazily, one micro-batch per forward step)."""
-
-    def __init__(self, source: Iterator, limit: int, attach: Callable[[Any, int], dict]):
-        self._source = source
-        self._limit = limit
+    def __init__(self, batches: list, attach: Callable[[Any, int], dict]):
+        self._batches = batches
         self._attach = attach
         self.index = -1
 
@@ -121,17 +183,31 @@ class _StepIterator:
         return self
 
     def __next__(self) -> dict:
-        if self.index + 1 >= self._limit:
+        if self.index + 1 >= len(self._batches):
             raise StopIteration
-        try:
-            batch = next(self._source)
-        except StopIteration:
-            raise ValueError(
-                f"the data iterator ran out after {self.index + 1} micro-batches but "
-                f"num_microbatches={self._limit}"
-            ) from None
         self.index += 1
-        return self._attach(batch, self.index)
+        return self._attach(self._batches[self.index], self.index)
+
+
+class _Observer:
+    """``off``: the caller's iterator, looked through. ``next()`` returns what the source
+    returns (a dict holding a loss mask gains the mask as its weights, unless it has weights
+    already) and raises what the source raises; other attributes are the source's."""
+
+    def __init__(self, source: Any, on_batch: Callable[[Any], Any]):
+        self._source = source
+        self._on_batch = on_batch
+
+    def __iter__(self) -> _Observer:
+        return self
+
+    def __next__(self) -> Any:
+        return self._on_batch(next(self._source))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_source", "_on_batch"):  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self._source, name)
 
 
 @dataclass(slots=True)
@@ -139,15 +215,25 @@ class _StepState:
     """What one step recorded on this rank, for metrics (tensors stay on device)."""
 
     reduction: str
-    per_token: bool
-    streaming: bool
-    groups: StepGroups
+    per_token: bool | None
+    """``None`` with ``off`` until the metrics need it (stock reads the flag only for 3-tuples)."""
+    passthrough: bool
+    """The loss tuples went to Megatron unchanged (``off``, per-token ``token_mean``)."""
+    groups: StepGroups | None
+    """``None`` with ``off`` until the metrics need them (``off`` resolves nothing per step)."""
+    num_microbatches: int = 0
+    model: Any = None
+    pg_collection: Any = None
     counts: StepCounts | None = None
     masks: list[torch.Tensor] = field(default_factory=list)
     segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
     contributions: list[torch.Tensor] = field(default_factory=list)
     local_tokens: list[torch.Tensor] = field(default_factory=list)
     reports: list[Any] = field(default_factory=list)
+    raw: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    """``off``: each loss tuple's (loss, num_tokens), ``None`` where it was not a tensor."""
+    unmasked: int = 0
+    """``off``: micro-batches read without a usable loss mask."""
 
 
 class LossFixSchedule:
@@ -164,6 +250,7 @@ class LossFixSchedule:
         forward_backward_func: Megatron's schedule to wrap; by default
             Megatron's schedule for the call's pipeline group and model chunks (PP/VPP).
         pg_collection: process groups, used when the call passes none; else parallel_state.
+            With ``off`` it is used for the metrics only: Megatron gets the caller's arguments.
     """
 
     def __init__(
@@ -178,6 +265,17 @@ class LossFixSchedule:
         self._pg_collection = pg_collection
         self.last_step: _StepState | None = None
 
+    def _inner_func(self, model: Any = None, pp_group: Any = None) -> Callable[..., Any]:
+        """The wrapped schedule; without one, Megatron's own. ``off`` asks for it exactly as
+        stock code does; plugin modes name the pipeline group and model chunks."""
+        if self._inner is not None:
+            return self._inner
+        if model is not None:
+            return schedule_for(model, pp_group)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+
     # ------------------------------------------------------------------ the step
     def __call__(
         self,
@@ -187,62 +285,235 @@ class LossFixSchedule:
         model: Any,
         num_microbatches: int,
         **kwargs: Any,
-    ) -> list:
-        from megatron.core.utils import get_model_config
+    ) -> Any:
+        step = self._stock_step if self.config.reduction == "off" else self._plugin_step
+        return step(forward_step_func, data_iterator, model, num_microbatches, kwargs)
 
+    # ------------------------------------------------------------------ off: stock, looked on
+    def _stock_step(
+        self,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        kwargs: dict,
+    ) -> Any:
+        state = _StepState(
+            reduction="off",
+            per_token=None,
+            passthrough=True,
+            groups=None,
+            num_microbatches=num_microbatches,
+            model=model,
+            pg_collection=(
+                self._pg_collection
+                if kwargs.get("pg_collection") is None
+                else kwargs["pg_collection"]
+            ),
+        )
+        self.last_step = state
+        # Only the loss chunk's iterator is looked through (the last one; on other pipeline
+        # stages nobody calls its loss function and what it reads is never used).
+        if isinstance(data_iterator, list) and data_iterator:
+            data_iterator = [*data_iterator[:-1], self._observed(data_iterator[-1], state)]
+        elif not isinstance(data_iterator, list):
+            data_iterator = self._observed(data_iterator, state)
+
+        def forward_step(*args: Any, **kw: Any) -> Any:
+            returned = forward_step_func(*args, **kw)
+            if not (isinstance(returned, tuple) and len(returned) == 2) or returned[1] is None:
+                return returned
+            output, loss_func = returned
+
+            def loss(output_tensor: Any, *a: Any, **lkw: Any) -> Any:
+                outputs = loss_func(output_tensor, *a, **lkw)
+                if not lkw.get("non_loss_data"):
+                    self._record_stock(outputs, state)
+                return outputs
+
+            return output, loss
+
+        return self._inner_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+
+    def _observed(self, source: Any, state: _StepState) -> Any:
+        # Only real iterators: None, a range or a list go to Megatron as they are, to fail (or
+        # not) exactly as they do there.
+        if source is None or not hasattr(source, "__next__"):
+            return source
+        return _Observer(source, lambda batch: self._observe_batch(batch, state))
+
+    def _observe_batch(self, batch: Any, state: _StepState) -> Any:
+        cfg = self.config
+        k = len(state.masks) + state.unmasked
+        mask = batch.get(cfg.loss_mask_key) if isinstance(batch, Mapping) else None
+        if cfg.check_finite and isinstance(batch, Mapping):
+            self._check_finite_inputs(batch, k)
+        try:
+            if not isinstance(mask, torch.Tensor):
+                raise ValueError("no loss mask")
+            mask = _float_masks([mask])[0]
+            segments = self._segments_of(batch, mask, k)
+        except ValueError:
+            state.unmasked += 1  # stock has no requirement on the batch: recorded, never refused
+            return batch
+        state.masks.append(mask)
+        state.segments.append(segments)
+        if cfg.weights_key in batch:
+            return batch
+        return {**batch, cfg.weights_key: mask}
+
+    def _record_stock(self, outputs: Any, state: _StepState) -> None:
+        """Remember a loss tuple's numbers for the metrics; never judge it (Megatron does)."""
+        loss = num_tokens = report = None
+        if isinstance(outputs, (tuple, list)) and len(outputs) in (2, 3):
+            loss, report = outputs[0], outputs[-1]
+            if len(outputs) == 3 and isinstance(outputs[1], torch.Tensor):
+                num_tokens = outputs[1].detach()
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(())
+            if self.config.check_finite:
+                self._check_finite_outputs(loss, report, len(state.raw))
+        else:
+            loss = None
+        state.raw.append((loss, num_tokens))
+        state.reports.append(report)
+
+    # ------------------------------------------------------------------ plugin modes
+    def _plugin_step(
+        self,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        kwargs: dict,
+    ) -> Any:
         if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
             num_microbatches < 1
         ):
+            # The same argument on every rank: every rank raises here, before any collective.
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         cfg = self.config
-        chunks = model if isinstance(model, list) else [model]
-        per_token = bool(get_model_config(chunks[0]).calculate_per_token_loss)
+        self.last_step = None  # a refused step leaves no metrics behind
         if kwargs.get("pg_collection") is None and self._pg_collection is not None:
             kwargs["pg_collection"] = self._pg_collection
         groups = resolve_groups(kwargs.get("pg_collection"))
-        # Megatron's deferred per-token division is already exact for token_mean, and `off` is
-        # stock: both read the data lazily (streaming) and use the mask as the weights.
-        streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
+        chunks = model if isinstance(model, list) else [model]
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+
+        problem: _LocalProblem | None = None
+        per_token = False
+        batches: list = []
+        masks: list[torch.Tensor] = []
+        segments: list = []
+        try:
+            from megatron.core.utils import get_model_config
+
+            # A plain ModelParallelConfig has no such field: Megatron's default behaviour.
+            per_token = bool(
+                getattr(get_model_config(chunks[0]), "calculate_per_token_loss", False)
+            )
+            if groups.is_last_stage:
+                batches, masks, segments = self._read_step(iterators[-1], num_microbatches)
+        except _LocalProblem as exc:
+            problem = exc
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
+            problem = _LocalProblem(
+                _OTHER, f"preparing the step raised {type(exc).__name__}: {exc}"
+            )
+            problem.__cause__ = exc
+
+        passthrough = per_token and cfg.reduction == "token_mean"
         state = _StepState(
-            reduction=cfg.reduction, per_token=per_token, streaming=streaming, groups=groups
+            reduction=cfg.reduction,
+            per_token=per_token,
+            passthrough=passthrough,
+            groups=groups,
+            num_microbatches=num_microbatches,
+            model=model,
         )
+        counts = self._agree(groups, per_token, masks, segments, problem)
+        state.masks, state.segments, state.counts = masks, segments, counts
         self.last_step = state
 
-        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         wrapped_step = forward_step_func
         if groups.is_last_stage:
-            # The loss is computed by the last model chunk of the last pipeline stage.
-            source = iterators[-1]
-            if source is None:
-                raise ValueError("the last pipeline stage needs a data iterator: it holds the loss")
-            if streaming:
-                self._agree(groups, per_token, problem=None)
-                attach = self._attach_mask_weights
+            if passthrough:
+                weights = masks  # Megatron's deferred division by N is the exact token mean
             else:
-                batches, attach = self._prepare_step(source, num_microbatches, groups, per_token)
-                source = iter(batches)
-            step_iter = _StepIterator(source, num_microbatches, attach)
+                weights = weights_from_counts(
+                    masks,
+                    counts,
+                    cfg.reduction,
+                    norm_constant=cfg.norm_constant,
+                    segment_ids=[seg for seg, _ in segments],
+                )
+            step_iter = _StepIterator(
+                batches, lambda batch, k: self._with_weights(batch, k, weights[k])
+            )
             iterators = [*iterators[:-1], step_iter]
             wrapped_step = self._wrap_forward_step(
-                forward_step_func, step_iter, streaming, num_microbatches, groups
+                forward_step_func, step_iter, num_microbatches, groups, state
             )
-
-        inner = self._inner
-        if inner is None:
-            inner = schedule_for(model, groups.pp)
-        result = inner(
+        return self._inner_func(model, groups.pp)(
             forward_step_func=wrapped_step,
             data_iterator=iterators if isinstance(data_iterator, list) else iterators[0],
             model=model,
             num_microbatches=num_microbatches,
             **kwargs,
         )
-        if streaming and cfg.validate and state.masks:
-            # Streaming data is checked after the step (one sync), before any optimizer step.
-            _check_masks(state.masks, check_values=True)
-        return result
 
-    # ------------------------------------------------------------------ the pre-pass
+    def _read_step(
+        self, source: Any, num_microbatches: int
+    ) -> tuple[list, list[torch.Tensor], list]:
+        """The loss stage's micro-batches, their float masks and packed-sequence segments.
+
+        Raises ``_LocalProblem`` naming what is wrong; the caller shares it with every rank."""
+        if source is None:
+            raise _LocalProblem(
+                _NO_ITERATOR,
+                "the last pipeline stage needs a data iterator: it holds the loss (got None)",
+            )
+        batches = []
+        for k in range(num_microbatches):
+            try:
+                batches.append(next(source))
+            except StopIteration:
+                raise _LocalProblem(
+                    _RAN_OUT,
+                    f"the data iterator ran out after {k} micro-batches but "
+                    f"num_microbatches={num_microbatches}",
+                ) from None
+            except Exception as exc:
+                hint = (
+                    "; pass an iterator (iter(...)), not an iterable"
+                    if not hasattr(source, "__next__")
+                    else ""
+                )
+                problem = _LocalProblem(
+                    _UNREADABLE,
+                    f"reading micro-batch {k} from the data iterator raised "
+                    f"{type(exc).__name__}: {exc}{hint}",
+                )
+                raise problem from exc
+        raw_masks = []
+        for k, batch in enumerate(batches):
+            try:
+                raw_masks.append(self._mask_of(batch, k))
+            except ValueError as exc:
+                raise _LocalProblem(_NOT_DICT, str(exc)) from None
+        try:
+            masks = _float_masks(raw_masks)
+            segments = [self._segments_of(b, masks[k], k) for k, b in enumerate(batches)]
+        except ValueError as exc:
+            raise _LocalProblem(_MALFORMED, str(exc)) from None
+        return batches, masks, segments
+
     def _fingerprint(self, per_token: bool) -> float:
         """A small integer that differs between any two (reduction, per-token) settings."""
         return float(1 + 2 * MODES.index(self.config.reduction) + int(per_token))
@@ -251,112 +522,125 @@ class LossFixSchedule:
         self,
         groups: StepGroups,
         per_token: bool,
-        problem: torch.Tensor | None,
-        counts: Callable[[torch.Tensor], StepCounts] | None = None,
+        masks: list[torch.Tensor],
+        segments: list,
+        problem: _LocalProblem | None,
     ) -> StepCounts | None:
-        """The step's one collective: counts (when given) plus cross-rank checks, summed over DP.
+        """Count the step's tokens and agree, on every rank of the step, that it can run.
 
-        Every rank of the DP group contributes ``[fp, fp**2, problems]``; all fingerprints are
-        equal exactly when ``sum(fp)**2 == D * sum(fp**2)``, and a problem on any rank (a bad
-        mask, a short iterator) makes every rank raise instead of leaving the others hanging
-        in a collective. Costs one device sync when ``validate`` is on or a problem is local.
+        The loss stage sums ``[N, S, fp, fp**2, problems...]`` over its data x context-parallel
+        group (the counts' own all-reduce: CP ranks hold the same sequences, so N and S are
+        divided by the CP size); with pipeline parallelism every stage then sums the verdict
+        over the pipeline group. All fingerprints are equal exactly when
+        ``sum(fp)**2 == n * sum(fp**2)``. One device sync, after the last collective. Returns
+        the counts on the loss stage, None elsewhere; raises on every rank when any refused.
         """
+        cfg = self.config
+        # On the accelerator whatever device the masks are on: NCCL reduces CUDA tensors only,
+        # and every stage must bring the same kind of tensor to the pipeline all-reduce.
+        device = _default_device()
         fp = self._fingerprint(per_token)
-        device = problem.device if problem is not None else _default_device()
-        local_problem = problem if problem is not None else torch.zeros((), device=device)
-        piggyback = torch.stack(
-            [
-                torch.tensor(fp, dtype=torch.float64, device=device),
-                torch.tensor(fp * fp, dtype=torch.float64, device=device),
-                local_problem.to(torch.float64),
-            ]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=device)
+        vec[_FP], vec[_FP2] = fp, fp * fp
+        if problem is not None:
+            vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
+
+        local_counts = bad = None
+        # CP shards are counted with one more all-reduce over CP, of a size only healthy ranks
+        # know: with sharded data the checks go first (one extra collective in this layout).
+        sharded_cp = cfg.data_is_cp_sharded and groups.cp_size > 1
+        if groups.is_last_stage:
+            if problem is None:
+                if cfg.validate:
+                    bad = bad_mask_values(masks)
+                    flagged = bad.any().to(device=device, dtype=torch.float64)
+                    vec[_PROBLEMS] += flagged
+                    vec[_RANK_SUM] += flagged * (rank + 1)
+                    vec[_KIND0 + _MASK_VALUES] += flagged
+                if not sharded_cp:
+                    local_counts = self._count(masks, segments, None)
+                    vec[_N], vec[_S] = local_counts.num_tokens, local_counts.num_sequences
+            vec = self._reduce(vec, groups.dp_cp)
+            # Disagreement inside the group becomes a problem that every stage hears of.
+            n = float(groups.dp_cp_size)
+            disagree = (vec[_FP] * vec[_FP] != n * vec[_FP2]).to(vec.dtype)
+            vec[_KIND0 + _DISAGREE] += disagree
+            vec[_PROBLEMS] += disagree
+            vec[_FP], vec[_FP2] = fp, fp * fp
+            if sharded_cp and problem is None and vec[_PROBLEMS].item() == 0:
+                local_counts = self._count(masks, segments, groups.cp)
+                totals = torch.stack([local_counts.num_tokens, local_counts.num_sequences])
+                totals = self._reduce(totals.to(device), groups.dp)
+                vec[_N], vec[_S] = totals[0] * groups.cp_size, totals[1] * groups.cp_size
+        if groups.pp_size > 1:
+            vec = self._reduce(vec, groups.pp)
+        self._verdict(vec.tolist(), groups, per_token, problem, bad)
+        if local_counts is None:
+            return None
+        # Every CP rank holds the same sequences (whole, or after the CP sum of shards).
+        replicas = float(groups.cp_size)
+        mask_device = masks[0].device
+        return StepCounts(
+            num_tokens=(vec[_N] / replicas).to(mask_device),
+            num_sequences=(vec[_S] / replicas).to(mask_device),
+            seq_tokens=local_counts.seq_tokens,
+            mb_tokens=local_counts.mb_tokens,
+            dp_size=groups.dp_size,
         )
-        result = None
-        if counts is not None:
-            result = counts(piggyback)
-            reduced = result.piggyback
-        else:
-            # Same length as count_tokens' [N, S, *piggyback], so that even ranks that disagree
-            # on the mode (one counting, one streaming) meet in a well-formed collective.
-            reduced = torch.cat([piggyback.new_zeros(2), piggyback])
-            if groups.dp_size > 1:
-                dist.all_reduce(reduced, group=groups.dp)
-            reduced = reduced[2:]
-        if not (self.config.validate or problem is not None):
-            return result
-        fp_sum, fp_sq, problems = reduced.tolist()
-        if fp_sum * fp_sum != groups.dp_size * fp_sq:
-            raise ValueError(
-                "data-parallel ranks disagree on the loss reduction or calculate_per_token_loss "
+
+    @staticmethod
+    def _count(
+        masks: list[torch.Tensor], segments: list, cp_group: dist.ProcessGroup | None
+    ) -> StepCounts:
+        """This rank's counts (over its CP shards when ``cp_group`` is given), not over DP."""
+        return count_tokens(
+            masks,
+            global_counts=False,
+            cp_group=cp_group,
+            segment_ids=[seg for seg, _ in segments],
+            num_segments=[num for _, num in segments],
+        )
+
+    @staticmethod
+    def _reduce(vec: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        if _size(group) > 1:
+            dist.all_reduce(vec, group=group)
+        return vec
+
+    def _verdict(
+        self,
+        values: list[float],
+        groups: StepGroups,
+        per_token: bool,
+        problem: _LocalProblem | None,
+        bad: torch.Tensor | None,
+    ) -> None:
+        """Raise on this rank if any rank of the step refused it (``values``: the reduced
+        agreement vector, on the host)."""
+        stages_differ = values[_FP] ** 2 != groups.pp_size * values[_FP2]
+        if stages_differ or values[_KIND0 + _DISAGREE] > 0:
+            where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
+            raise StepRefused(
+                f"{_PREFIX}{where} disagree on the loss reduction or calculate_per_token_loss "
                 f"(this rank: {self.config.reduction!r}, per-token={per_token}); give every "
                 "rank the same --loss-reduction"
             )
-        if problems > 0:
-            raise _ProblemOnAnotherRank(
-                "a data-parallel rank found a problem with its micro-batches this step (see "
-                "that rank's error); every rank stops"
-            )
-        return result
-
-    def _prepare_step(
-        self, source: Iterator, num_microbatches: int, groups: StepGroups, per_token: bool
-    ) -> tuple[list, Callable[[Any, int], dict]]:
-        """Pre-read the step, count tokens once; return the batches and how to attach weights."""
-        cfg = self.config
-        state = self.last_step
-        error: ValueError | None = None
-        try:
-            batches = []
-            for k in range(num_microbatches):
-                try:
-                    batches.append(next(source))
-                except StopIteration:
-                    raise ValueError(
-                        f"the data iterator ran out after {k} micro-batches but "
-                        f"num_microbatches={num_microbatches}"
-                    ) from None
-            masks = _float_masks([self._mask_of(b, k) for k, b in enumerate(batches)])
-            segments = [self._segments_of(b, masks[k], k) for k, b in enumerate(batches)]
-        except ValueError as exc:
-            error = exc
-        if error is not None:
-            # Still take part in the step's collective, so the other ranks fail too, not hang.
-            try:
-                self._agree(groups, per_token, problem=torch.ones((), device=_default_device()))
-            except _ProblemOnAnotherRank:
-                pass
-            raise error
-        bad = bad_mask_values(masks) if cfg.validate else None
-        try:
-            counts = self._agree(
-                groups,
-                per_token,
-                problem=None if bad is None else bad.sum(),
-                counts=lambda piggyback: count_tokens(
-                    masks,
-                    dp_group=groups.dp,
-                    cp_group=groups.cp if cfg.data_is_cp_sharded else None,
-                    segment_ids=[seg for seg, _ in segments],
-                    num_segments=[num for _, num in segments],
-                    piggyback=piggyback,
-                ),
-            )
-        except _ProblemOnAnotherRank:
-            if bad is not None and bool(bad.any()):
-                raise ValueError(_bad_mask_message(int(bad.nonzero()[0, 0]))) from None
-            raise
-        state.masks = masks
-        state.segments = segments
-        state.counts = counts
-        weights = weights_from_counts(
-            masks,
-            counts,
-            cfg.reduction,
-            norm_constant=cfg.norm_constant,
-            segment_ids=[seg for seg, _ in segments],
+        if values[_PROBLEMS] <= 0:
+            return
+        if problem is not None:
+            raise StepRefused(f"{_PREFIX}{problem}") from problem.__cause__
+        if bad is not None and bool(bad.any()):
+            raise StepRefused(_PREFIX + _bad_mask_message(int(bad.nonzero()[0, 0])))
+        kinds = [_KINDS[i] for i in range(len(_KINDS)) if values[_KIND0 + i] > 0]
+        count = int(values[_PROBLEMS])
+        who = f"global rank {int(values[_RANK_SUM]) - 1}" if count == 1 else f"{count} ranks"
+        raise _ProblemOnAnotherRank(
+            f"{_PREFIX}{'; '.join(kinds)} (reported by {who}; see its error for the details); "
+            "every rank of the step stops"
         )
-        return batches, lambda batch, k: self._with_weights(batch, k, weights[k])
 
+    # ------------------------------------------------------------------ batches
     def _mask_of(self, batch: Any, k: int) -> torch.Tensor:
         key = self.config.loss_mask_key
         if not isinstance(batch, Mapping) or key not in batch:
@@ -367,24 +651,22 @@ class LossFixSchedule:
             )
         return batch[key]
 
-    def _attach_mask_weights(self, batch: Any, k: int) -> dict:
-        mask = _float_masks([self._mask_of(batch, k)])[0]
-        self.last_step.masks.append(mask)
-        self.last_step.segments.append(self._segments_of(batch, mask, k))
-        return self._with_weights(batch, k, mask)
-
     def _with_weights(self, batch: Mapping, k: int, weights: torch.Tensor) -> dict:
         if self.config.check_finite:
-            # Rollout data (advantages, old and reference log-probs) is where NaN usually
-            # enters RL; naming the tensor and micro-batch beats a NaN loss three steps later.
-            for key, value in batch.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(
-                    torch.isfinite(value).all()
-                ):
-                    raise FloatingPointError(
-                        f"micro-batch {k}: {key!r} holds NaN or Inf (check_finite is on)"
-                    )
+            self._check_finite_inputs(batch, k)
         return {**batch, self.config.weights_key: weights}
+
+    @staticmethod
+    def _check_finite_inputs(batch: Mapping, k: int) -> None:
+        # Rollout data (advantages, old and reference log-probs) is where NaN usually enters
+        # RL; naming the tensor and micro-batch beats a NaN loss three steps later.
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(
+                torch.isfinite(value).all()
+            ):
+                raise FloatingPointError(
+                    f"micro-batch {k}: {key!r} holds NaN or Inf (check_finite is on)"
+                )
 
     def _segments_of(
         self, batch: Mapping, mask: torch.Tensor, k: int
@@ -416,16 +698,16 @@ class LossFixSchedule:
         segment = torch.searchsorted(boundaries, positions, right=True)
         return segment[None, :], cu_seqlens.numel()
 
+    # ------------------------------------------------------------------ the loss
     def _wrap_forward_step(
         self,
         forward_step_func: Callable,
         step_iter: _StepIterator,
-        streaming: bool,
         num_microbatches: int,
         groups: StepGroups,
+        state: _StepState,
     ) -> Callable:
-        state = self.last_step
-        if streaming:
+        if state.passthrough:
             scale = None
         elif state.per_token:
             # Megatron divides the summed gradient by the all-reduced num_tokens, which is N.
@@ -433,7 +715,6 @@ class LossFixSchedule:
         else:
             # The schedule multiplies by cp/M and DDP divides by D*cp: undo both.
             scale = float(num_microbatches * groups.dp_size)
-        sizes = (num_microbatches, groups.dp_size, groups.cp_size)
 
         def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
             output, loss_func = forward_step_func(data_iterator, model, *args)
@@ -450,23 +731,16 @@ class LossFixSchedule:
                 outputs = loss_func(output_tensor, *a, **kw)
                 if kw.get("non_loss_data"):
                     return outputs
-                return self._convert(outputs, k, scale, streaming, sizes)
+                return self._convert(outputs, k, scale, state)
 
             return output, loss
 
         return forward_step
 
     def _convert(
-        self,
-        outputs: Any,
-        k: int,
-        scale: torch.Tensor | float | None,
-        streaming: bool,
-        sizes: tuple[int, int, int],
+        self, outputs: Any, k: int, scale: torch.Tensor | float | None, state: _StepState
     ) -> tuple:
         """Check one micro-batch's loss tuple and return what Megatron should receive."""
-        cfg = self.config
-        state = self.last_step
         per_token = state.per_token
         if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
             raise ValueError(
@@ -488,15 +762,15 @@ class LossFixSchedule:
                 "Return a 3-tuple (megatron_lossfix.weighted_loss does), or set "
                 "calculate_per_token_loss=False."
             )
-        if cfg.check_finite:
+        if self.config.check_finite:
             self._check_finite_outputs(loss, report, k)
         num_tokens = outputs[1] if len(outputs) == 3 else None
-        state.contributions.append(self._contribution(loss, num_tokens, sizes))
+        state.contributions.append(loss.detach().reshape(()))
         if num_tokens is not None:
             state.local_tokens.append(num_tokens.detach())
         state.reports.append(report)
-        if streaming:
-            return tuple(outputs)  # Megatron's own semantics, untouched
+        if state.passthrough:
+            return outputs  # Megatron's own semantics, untouched
         if per_token:
             return loss * scale, num_tokens, report
         return loss * scale, report
@@ -518,18 +792,6 @@ class LossFixSchedule:
                     f"report entry {key!r} of micro-batch {k} is NaN (check_finite is on)"
                 )
 
-    def _contribution(
-        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, sizes: tuple[int, int, int]
-    ) -> torch.Tensor:
-        """This micro-batch's share of the step's reported loss (summed over DP x CP later)."""
-        loss = loss.detach().reshape(())
-        if self.config.enabled or self.last_step.per_token:
-            return loss  # streaming per-token steps are divided by N in the metrics
-        m, d, cp = sizes
-        if num_tokens is None:  # stock 2-tuple: loss * cp / M, grads / (D * cp)
-            return loss / (m * d)
-        return loss / torch.clamp(num_tokens, min=1) / (m * d * cp)
-
     # ------------------------------------------------------------------ metrics
     def step_metrics(self) -> dict[str, float]:
         """The last step's global metrics, on every rank (collectives over DP x CP and PP).
@@ -537,7 +799,9 @@ class LossFixSchedule:
         ``loss`` is L of DESIGN §2 (with ``off``: the stock per-micro-batch mean Megatron
         optimizes), ``num_tokens`` N and ``num_sequences`` S; report entries that are 0-dim
         tensors named ``*_sum``/``*_count``, ``*_max`` or ``*_min`` are reduced that way over
-        DP x CP.
+        DP x CP. With ``off`` a number is left out when the step did not show it: ``loss`` when
+        a loss was not a one-element tensor, ``num_tokens`` when neither loss masks nor
+        3-tuples gave it, ``num_sequences`` without loss masks.
         """
         from megatron_lossfix.metrics import reduce_step_metrics
 

@@ -1,4 +1,5 @@
-"""Collectives of one training step: the plugin adds exactly one all-reduce, whatever the data.
+"""Collectives of one training step: ``off`` adds none; a plugin mode adds one small all-reduce
+over DP x CP on the loss stage and, with pipeline parallelism, one over the pipeline group.
 
 Inside the pool's worker ranks every ``torch.distributed`` collective and point-to-point entry
 point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
@@ -8,13 +9,15 @@ is counted for stock Megatron (its own ``get_forward_backward_func()`` with the 
 ``(sum(m*l), m.sum(), report)``) and for every mode through ``LossFixSchedule``.
 ``schedule.step_metrics()`` is not part of the step and is not counted.
 
-Expected: on the loss (last pipeline) stage of a data-parallel run, every mode through the
-plugin adds exactly one all-reduce, over the DP group, and nothing else. The modes that count
-tokens before the step do it in that all-reduce; ``off`` and per-token ``token_mean``, which
-stream and count nothing, still all-reduce the schedule's cross-rank agreement check (every DP
-rank uses the same reduction) in its place. Other pipeline stages and DP=1 runs add nothing.
-And the counts do not depend on the data: a step where a DP rank holds no loss token at all
-does exactly the same collectives.
+Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, looked on).
+Every plugin mode adds, on the loss (last pipeline) stage of a data-parallel run, one
+all-reduce over the DP x CP group: the token counts and the step's cross-rank checks (same
+reduction everywhere, nothing refused) in one vector. With pipeline parallelism every stage
+adds one more small all-reduce, over the pipeline group, that hands the verdict to the stages
+that hold no loss (so that a refusal on the loss stage stops them too instead of leaving them in
+Megatron's point-to-point). DP=1 without pipelining adds nothing. And the counts do not depend
+on the data: a step where a DP rank holds no loss token at all does exactly the same
+collectives.
 """
 
 from __future__ import annotations
@@ -236,9 +239,13 @@ def _step_counts(
         with count_collectives() as counter:
             step(variant)
         counts[variant] = dict(counter)
+    def ranks(group: Any) -> str:
+        return ",".join(map(str, dist.get_process_group_ranks(group)))
+
     return {
         "counts": counts,
-        "dp_ranks": ",".join(map(str, dist.get_process_group_ranks(ps.get_data_parallel_group()))),
+        "dp_cp_ranks": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "pp_ranks": ranks(ps.get_pipeline_model_parallel_group()),
         "loss_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
     }
 
@@ -250,16 +257,17 @@ def _extra(plugin: Counts, stock: Counts) -> Counts:
     return {k: v for k, v in sorted(diff.items()) if v}
 
 
-def _expected_extra(dp_ranks: str, loss_stage: bool) -> Counts:
-    """One all-reduce over the DP group, on loss-stage ranks of a data-parallel run.
-
-    The same for every mode, ``off`` and per-token ``token_mean`` included: the modes that
-    count tokens do it in that all-reduce, and the streaming ones (which count nothing) still
-    all-reduce the cross-rank agreement check (same reduction on every DP rank) in its place.
-    """
-    if not loss_stage or "," not in dp_ranks:
+def _expected_extra(mode: str, info: dict[str, Any]) -> Counts:
+    """``off``: nothing. A plugin mode: one all-reduce over DP x CP on loss-stage ranks of a
+    data-parallel run (counts and checks), one over the pipeline group on every rank with PP."""
+    if mode == "off":
         return {}
-    return {f"all_reduce@{dp_ranks}": 1}
+    extra = {}
+    if info["loss_stage"] and "," in info["dp_cp_ranks"]:
+        extra[f"all_reduce@{info['dp_cp_ranks']}"] = 1
+    if "," in info["pp_ranks"]:
+        extra[f"all_reduce@{info['pp_ranks']}"] = 1
+    return extra
 
 
 # (id, layout, world size, calculate_per_token_loss)
@@ -276,7 +284,7 @@ CASES = [
 @pytest.mark.parametrize(
     "layout, world, per_token", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
-def test_plugin_adds_one_data_independent_all_reduce(dist_pool, layout, world, per_token):
+def test_extra_collectives_per_mode(dist_pool, layout, world, per_token):
     variants = ("stock", *MODES)
     normal = dist_pool.run(_step_counts, world, layout, per_token, variants, False)
     empty = dist_pool.run(_step_counts, world, layout, per_token, variants, True)
@@ -285,7 +293,7 @@ def test_plugin_adds_one_data_independent_all_reduce(dist_pool, layout, world, p
         assert stock, f"rank {rank}: no collective counted at all; the counter is broken"
         for mode in MODES:
             extra = _extra(got["counts"][mode], stock)
-            want = _expected_extra(got["dp_ranks"], got["loss_stage"])
+            want = _expected_extra(mode, got)
             assert extra == want, f"rank {rank}, {mode}: extra collectives {extra}, want {want}"
         # Same collectives when a DP rank has no loss token: nothing branches on the data.
         for variant in variants:

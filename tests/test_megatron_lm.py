@@ -1,14 +1,18 @@
 """Unit tests of ``megatron_lossfix.megatron_lm``, the code our Megatron-LM patch calls.
 
-No Megatron-LM checkout needed (``tests/test_patches.py`` runs the real one when
-``MEGATRON_LM_PATH`` is set): flag composition, the refusals, the forward-step wrapper and the
-``[contribution, indicator]`` report that makes Megatron-LM log the global loss.
+Without a checkout: flag composition, the refusals, the forward-step wrapper and the
+``[contribution, indicator]`` report that makes Megatron-LM log the global loss. With
+``MEGATRON_LM_PATH`` set to Megatron-LM checkouts (any supported tag, or main), the patched
+``pretrain_gpt.py`` trains on CPU under several layouts: with ``--loss-reduction token_mean``
+loss and grad norm agree across them, stock they do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +162,96 @@ def test_unpatched_loss_function_is_refused_clearly() -> None:
     batch = {"loss_mask": torch.ones(1, 2), "loss_weights": torch.ones(1, 2)}
     with pytest.raises(TypeError, match="megatron_lossfix.patches apply"):
         step(iter([batch]), model=None)
+
+
+# ------------------------------------------------------------ the patched pretrain_gpt.py, for real
+#: Checkouts of Megatron-LM to train with (``os.pathsep``-separated; each needs this
+#: interpreter's megatron-core world and Megatron-LM's training extras, see the README).
+CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_PATH", "").split(os.pathsep) if p]
+needs_megatron_lm = pytest.mark.skipif(
+    not CHECKOUTS, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1 to main)"
+)
+#: layout -> (ranks, micro-batch size, flags), against 1 rank x 8 micro-batches of 1 sequence.
+LAYOUTS = {
+    "mb4": (1, 4, ["--lossfix-self-check"]),
+    "dp2": (2, 2, []),
+    "tp2": (2, 2, ["--tensor-model-parallel-size", "2"]),
+    "pp2": (2, 2, ["--pipeline-model-parallel-size", "2"]),
+}
+ITERS = 3
+REL = 1e-6
+
+
+class _Runs:
+    """Each (checkout, layout, mode) trained once per session; every test reads the figures."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.copies: dict[str, tuple[Path, str]] = {}
+        self.results: dict[tuple[str, str, str], list[dict]] = {}
+
+    def copy(self, checkout: str) -> tuple[Path, str]:
+        """The patched copy of ``checkout`` and the prefix of its masked data."""
+        if checkout not in self.copies:
+            from megatron_lossfix.testing.megatron_lm_run import (
+                checkout_null_tokenizer_eod,
+                patched_copy,
+                write_padded_dataset,
+            )
+
+            n = len(self.copies)
+            copy = patched_copy(checkout, self.root / f"megatron-lm-{n}")
+            eod = checkout_null_tokenizer_eod(copy)
+            data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
+            self.copies[checkout] = (copy, data)
+        return self.copies[checkout]
+
+    def get(self, checkout: str, layout: str, mode: str) -> list[dict]:
+        """Per iteration: the ``--lossfix-metrics-out`` record (``fix``: token_mean) or the
+        logged line (``stock``: no flag at all, Megatron-LM as released)."""
+        key = (checkout, layout, mode)
+        if key not in self.results:
+            from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+
+            copy, data = self.copy(checkout)
+            nproc, mbs, flags = (1, 1, []) if layout == "mb1" else LAYOUTS[layout]
+            args = tiny_gpt_args(micro_batch_size=mbs, train_iters=ITERS, data_path=data)
+            metrics = None
+            if mode == "fix":
+                args += ["--loss-reduction", "token_mean", *flags]
+                metrics = self.root / f"{copy.name}-{layout}.jsonl"
+            else:
+                args += [f for f in flags if not f.startswith("--lossfix")]
+            result = run_pretrain_gpt(copy, args, nproc=nproc, metrics_out=metrics, timeout=3000)
+            assert result.returncode == 0, result.output[-4000:]
+            records = result.metrics if mode == "fix" else result.logged
+            iterations = [r["iteration"] for r in records]
+            assert iterations == list(range(1, ITERS + 1)), result.output[-4000:]
+            self.results[key] = records
+        return self.results[key]
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
+    return _Runs(tmp_path_factory.mktemp("megatron-lm-runs"))
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=lambda p: Path(p).name)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str, layout: str):
+    """1 rank x 8 micro-batches vs micro-batch 4 (with the runtime self-check), DP2, TP2, PP2 on
+    data where about half the tokens are masked: with ``--loss-reduction token_mean`` the loss
+    and the grad norm of every iteration agree to 1e-6; stock Megatron-LM's do not."""
+    reference, fixed = lm_runs.get(checkout, "mb1", "fix"), lm_runs.get(checkout, layout, "fix")
+    tokens = 8 * 64  # global batch x sequence length
+    for a, b in zip(reference, fixed, strict=True):
+        assert a["num_tokens"] == b["num_tokens"]
+        assert 0.2 * tokens < a["num_tokens"] < 0.8 * tokens  # the masks are far from all ones
+        assert b["lm_loss"] == pytest.approx(b["loss"], rel=REL)  # Megatron-LM logs L itself
+        assert b["loss"] == pytest.approx(a["loss"], rel=REL)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=REL)
+    # Stock (no flag): the mean of per-micro-batch means moves the gradient with the layout. The
+    # log prints the grad norm with 3 decimals: far more than that apart.
+    reference, stock = lm_runs.get(checkout, "mb1", "stock"), lm_runs.get(checkout, layout, "stock")
+    assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)

@@ -28,3 +28,10 @@ def test_importing_the_package_does_not_import_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_contract_names_are_top_level():
+    """What outside harnesses import (DESIGN §3): no internal module path needed."""
+    for name in ("LossFixConfig", "LossFixSchedule", "enable_cpu_megatron", "StepRefused"):
+        assert name in megatron_lossfix.__all__, name
+    assert megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.cpu_compat"

@@ -1,17 +1,19 @@
-"""The Megatron-LM patch tool (``python -m megatron_lossfix.patches``) and the patched
-``pretrain_gpt.py``.
+"""The Megatron-LM patch tool (``python -m megatron_lossfix.patches``).
 
 Without a Megatron-LM checkout, the tool's logic runs on a tiny synthetic tree with its own tiny
 patch (no Megatron-LM code is copied here): state detection, idempotent apply and revert, refusal
-of wrong targets, version selection, both backends (git, patch). With ``MEGATRON_LM_PATH`` set
-to a Megatron-LM checkout (tag core_v0.16.1, patched or not), the real patch is applied to a
-temporary copy and the patched ``pretrain_gpt.py`` trains on CPU under two micro-batch sizes:
-with ``--loss-reduction token_mean`` the logged loss and grad norm agree; stock, they do not.
+of wrong targets, version selection, both backends (git, patch). Every patch of the repository
+is then applied to a tree rebuilt from its own hunks (the lines it expects, at the places it
+expects them) and reverted, and each release series must choose its own patch. With a git
+clone of NVIDIA/Megatron-LM (``MEGATRON_LM_GIT``, the tags and main), the files of each tag are
+patched and reverted the same way. With ``MEGATRON_LM_PATH`` set to a checkout, the real patch
+is applied to a copy and reverted; ``tests/test_megatron_lm.py`` trains with it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -123,7 +125,7 @@ def test_wrong_targets(tmp_path: Path, patch_dir: Path) -> None:
 
 def test_version_selection(tmp_path: Path, patch_dir: Path) -> None:
     # Another version whose files still fit: the patch is used, and the note says so.
-    other = _make_tree(tmp_path / "other", ("9", "9", "8", ""))
+    other = _make_tree(tmp_path / "other", ("9", "8", "0", ""))
     info, state, note = patches.select_patch(other, directory=patch_dir)
     assert info.version == "9.9.9" and state is State.NOT_APPLIED
     assert "no patch of its own" in note
@@ -186,7 +188,7 @@ def test_command_line_exit_codes(
 
 def test_repository_patches_are_found_and_well_formed() -> None:
     infos = patches.available_patches()
-    assert {i.version for i in infos} >= {"0.16.1"}
+    assert {i.version for i in infos} >= {"0.16.1", "0.17.1", "0.18.2", "0.19.1", "main"}
     assert patches.patches_dir() == Path(patches.__file__).resolve().parent.parent / "patches"
     for info in infos:
         assert "pretrain_gpt.py" in info.files
@@ -196,72 +198,143 @@ def test_repository_patches_are_found_and_well_formed() -> None:
         assert len(added) <= 25, f"{info.name} adds {len(added)} lines"
 
 
+# ------------------------------------------------------------------ each patch, on its own lines
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
+
+
+def _tree_from_patch(root: Path, info: patches.PatchInfo, version: str) -> Path:
+    """A tree holding, for each file the patch touches, exactly the lines its hunks expect at
+    the line numbers they name (filler elsewhere): what a checkout of that release looks like
+    to ``git apply`` and ``patch``, rebuilt from our own diff."""
+    major, minor, micro = version.split(".")
+    tree = _make_tree(root, (major, minor, micro, ""))
+    files: dict[str, list[str]] = {}
+    current = None
+    for line in info.path.read_text().splitlines():
+        if line.startswith("+++ b/"):
+            current = files.setdefault(line[6:], [])
+        elif current is not None and (m := _HUNK.match(line)):
+            start = int(m[1])
+            current.extend(f"# filler {i}" for i in range(len(current) + 1, start))
+        elif current is not None and line[:1] in (" ", "-"):
+            current.append(line[1:])
+        elif current is not None and line == "":
+            current.append("")  # a context line that is empty (no leading space kept)
+    for name, lines in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text("\n".join([*lines, "# end"]) + "\n")
+    return tree
+
+
+def _release_patches() -> list[patches.PatchInfo]:
+    return [i for i in patches.available_patches() if i.version != "main"]
+
+
+def _newer_than_releases() -> str:
+    """A version after every release patch: what the development branch reports."""
+    newest = max(tuple(int(x) for x in i.version.split(".")[:2]) for i in _release_patches())
+    return f"{newest[0]}.{newest[1] + 1}.0"
+
+
+@pytest.mark.parametrize("info", patches.available_patches(), ids=lambda i: i.name)
+def test_each_patch_is_chosen_for_its_version_and_round_trips(
+    tmp_path: Path, info: patches.PatchInfo, backend: str
+) -> None:
+    version = _newer_than_releases() if info.version == "main" else info.version
+    tree = _tree_from_patch(tmp_path / "tree", info, version)
+    pristine = {f: (tree / f).read_bytes() for f in info.files}
+    chosen, state, note = patches.select_patch(tree)
+    assert (chosen.name, state) == (info.name, State.NOT_APPLIED), note
+    patches.apply(tree)
+    patched = {f: (tree / f).read_text() for f in info.files}
+    assert patches.check(tree) is State.APPLIED
+    assert "already applied" in patches.apply(tree)
+    assert {f: (tree / f).read_text() for f in info.files} == patched
+    # The hooks our integration needs, and nothing of Megatron's own code removed but edited lines.
+    assert "lossfix_lm.enable_cpu_megatron_lm()" in patched["pretrain_gpt.py"]
+    assert "lossfix=None" in patched["pretrain_gpt.py"]
+    assert "wrap_forward_backward_func" in patched["megatron/training/training.py"]
+    patches.revert(tree)
+    assert {f: (tree / f).read_bytes() for f in info.files} == pristine
+    assert "nothing to revert" in patches.revert(tree)
+    assert not list(tree.rglob("*.orig")) and not list(tree.rglob("*.rej"))
+
+
+def test_release_series_and_development_branch_selection(tmp_path: Path) -> None:
+    by_version = {i.version: i for i in patches.available_patches()}
+    # Other patch releases of a series take that series' patch, even where another fits too
+    # (the 0.19 patch and the main patch make the same edits at other line numbers).
+    info = by_version["0.19.1"]
+    for version in ("0.19.0", "0.19.2"):
+        tree = _tree_from_patch(tmp_path / version, info, version)
+        chosen, _, note = patches.select_patch(tree)
+        assert chosen.name == info.name and "same release series" in note, note
+    # A version newer than every release takes the main patch, though the 0.19 one fits too.
+    main = by_version["main"]
+    tree = _tree_from_patch(tmp_path / "dev", main, _newer_than_releases())
+    assert patches.select_patch(tree, "0.19.1")[1] is State.NOT_APPLIED  # it would fit
+    chosen, _, note = patches.select_patch(tree)
+    assert chosen.name == main.name and "development branch" in note, note
+    # A release's own patch refuses another release's tree (they differ where they edit).
+    tree = _tree_from_patch(tmp_path / "old", by_version["0.16.1"], "0.16.1")
+    assert patches.select_patch(tree, "0.18.2")[1] is State.CONFLICT
+
+
+# --------------------------------------------------------------- the tags, from a Megatron-LM clone
+def _megatron_lm_git() -> str | None:
+    """A git directory holding NVIDIA/Megatron-LM's tags (``MEGATRON_LM_GIT``)."""
+    path = os.environ.get("MEGATRON_LM_GIT")
+    return path if path and shutil.which("git") else None
+
+
+#: Megatron-LM ref -> the patch ``patches check`` must choose for it.
+TAG_PATCHES = {
+    "core_v0.16.1": "megatron_lm_core_v0.16.1",
+    "core_v0.17.1": "megatron_lm_core_v0.17.1",
+    "core_v0.18.2": "megatron_lm_core_v0.18.2",
+    "core_v0.19.0": "megatron_lm_core_v0.19.0",
+    "main": "megatron_lm_main",
+}
+
+
+@pytest.mark.skipif(not _megatron_lm_git(), reason="set MEGATRON_LM_GIT to a Megatron-LM clone")
+@pytest.mark.parametrize("ref", TAG_PATCHES)
+def test_tag_chooses_its_patch_and_round_trips(tmp_path: Path, ref: str) -> None:
+    tree = tmp_path / ref
+    for name in (*patches._MARKERS, "pretrain_gpt.py", "megatron/training/training.py"):
+        text = subprocess.run(
+            ["git", "--git-dir", _megatron_lm_git(), "show", f"{ref}:{name}"],
+            check=True, capture_output=True,
+        ).stdout  # fmt: skip
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(text)
+    pristine = {p: p.read_bytes() for p in tree.rglob("*.py")}
+    chosen, state, note = patches.select_patch(tree)
+    assert (chosen.name, state) == (TAG_PATCHES[ref], State.NOT_APPLIED), note
+    assert patches.main(["apply", str(tree)]) == 0
+    assert patches.main(["check", str(tree)]) == 0
+    assert "already applied" in patches.apply(tree)
+    assert patches.main(["revert", str(tree)]) == 0
+    assert {p: p.read_bytes() for p in tree.rglob("*.py")} == pristine
+
+
 # ---------------------------------------------------------------------------------- real checkout
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.1 checkout"
+    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout"
 )
 
 
-@pytest.fixture(scope="module")
-def patched_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the checkout (what pretrain_gpt.py needs) with our patch applied."""
-    source = Path(MEGATRON_LM_PATH)
-    copy = tmp_path_factory.mktemp("megatron-lm") / "Megatron-LM"
-    copy.mkdir()
-    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
-        shutil.copy2(source / name, copy / name)
-    shutil.copytree(
-        source / "megatron", copy / "megatron", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    patches.apply(copy)  # no-op when the source was already patched
-    return copy
-
-
 @needs_megatron_lm
-def test_real_checkout_apply_revert_cycle(patched_copy: Path) -> None:
-    files = {f: (patched_copy / f).read_text() for f in patches.select_patch(patched_copy)[0].files}
-    assert patches.check(patched_copy) is State.APPLIED
-    assert "already applied" in patches.apply(patched_copy)
-    patches.revert(patched_copy)
-    assert patches.check(patched_copy) is State.NOT_APPLIED
-    assert "[megatron_lossfix]" not in (patched_copy / "pretrain_gpt.py").read_text()
-    patches.apply(patched_copy)
-    assert {f: (patched_copy / f).read_text() for f in files} == files
+def test_real_checkout_apply_revert_cycle(tmp_path: Path) -> None:
+    from megatron_lossfix.testing.megatron_lm_run import patched_copy
 
-
-@needs_megatron_lm
-def test_patched_pretrain_gpt_is_invariant_to_micro_batch_size(
-    patched_copy: Path, tmp_path: Path
-) -> None:
-    from megatron_lossfix.testing.megatron_lm_run import (
-        run_pretrain_gpt,
-        tiny_gpt_args,
-        write_padded_dataset,
-    )
-
-    data = write_padded_dataset(tmp_path / "data" / "padded")
-
-    def run(micro_batch_size: int, *flags: str) -> list[dict]:
-        args = tiny_gpt_args(micro_batch_size=micro_batch_size, train_iters=2, data_path=data)
-        result = run_pretrain_gpt(
-            patched_copy, [*args, *flags], metrics_out=tmp_path / f"m{micro_batch_size}.jsonl"
-        )
-        assert result.returncode == 0, result.output[-4000:]
-        assert [r["iteration"] for r in result.metrics] == [1, 2], result.output[-4000:]
-        return result.metrics
-
-    # The runtime self-check re-splits the first step (4 -> 2 x 2 per micro-batch) and would
-    # raise if the gradient moved.
-    fixed = {
-        1: run(1, "--loss-reduction", "token_mean"),
-        4: run(4, "--loss-reduction", "token_mean", "--lossfix-self-check"),
-    }
-    for a, b in zip(fixed[1], fixed[4], strict=True):
-        assert a["num_tokens"] == b["num_tokens"] < 2 * 8 * 64  # the masks are far from all ones
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-        assert a["lm_loss"] == pytest.approx(a["loss"], rel=1e-5)  # Megatron-LM logs L
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    # `off` is stock Megatron: the same data, another gradient per micro-batch size.
-    stock = {mbs: run(mbs, "--loss-reduction", "off") for mbs in (1, 4)}
-    assert stock[1][0]["grad_norm"] != pytest.approx(stock[4][0]["grad_norm"], rel=1e-3)
+    copy = patched_copy(MEGATRON_LM_PATH, tmp_path / "Megatron-LM")
+    files = {f: (copy / f).read_text() for f in patches.select_patch(copy)[0].files}
+    assert patches.check(copy) is State.APPLIED
+    assert "already applied" in patches.apply(copy)
+    patches.revert(copy)
+    assert patches.check(copy) is State.NOT_APPLIED
+    assert "[megatron_lossfix]" not in (copy / "pretrain_gpt.py").read_text()
+    patches.apply(copy)
+    assert {f: (copy / f).read_text() for f in files} == files

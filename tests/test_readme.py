@@ -52,6 +52,11 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "where MEGATRON_LM_PATH is set",
     ),
     (
+        "-p megatron_lossfix.testing.upstream_schedules",
+        "runs Megatron-Core's own schedule tests from a Megatron-LM checkout: "
+        "tests/test_upstream_schedules.py does where MEGATRON_LM_PATH is set",
+    ),
+    (
         "torchrun ... pretrain_gpt.py",
         "a template (`...`, `<your flags>`) for the patched Megatron-LM, not a command",
     ),

@@ -47,8 +47,10 @@ def _step(mode_by_rank, *, m=3, mutate=None, loss_variant="plain", per_token=Fal
 
     global SECOND_TOKEN
     init_layout(Layout())
-    chunks, config = build_tiny_gpt(Layout(), calculate_per_token_loss=per_token)
     rank = dist.get_rank()
+    if isinstance(per_token, tuple):  # one flag per rank
+        per_token = per_token[rank]
+    chunks, config = build_tiny_gpt(Layout(), calculate_per_token_loss=per_token)
     case = OracleCase()
     batch = make_global_batch(case, config.vocab_size)
     dp = ps.get_data_parallel_world_size()
@@ -81,13 +83,26 @@ def _run(pool, *args, world=2, **kwargs):
 
 
 # ---------------------------------------------------------------- cross-rank problems
+REFUSED = "StepRefused"  # the rank whose data is at fault
+PEER = "_ProblemOnAnotherRank"  # every other rank of the step (a StepRefused too)
+
+
 @pytest.mark.parametrize(
-    "modes", [("token_mean", "sequence_mean"), ("off", "token_mean"), ("sum", "token_mean_legacy")]
+    "modes",
+    [("token_mean", "sequence_mean"), ("sum", "token_mean_legacy"), ("token_mean", "sum")],
 )
 def test_ranks_disagreeing_on_the_mode_all_raise(dist_pool, modes):
+    """(``off`` against a plugin mode cannot be seen: ``off`` is stock and communicates
+    nothing, so the plugin rank waits in its all-reduce; see the README's Limits.)"""
     results = _run(dist_pool, modes)
     for kind, message in results:
-        assert kind == "ValueError" and "disagree on the loss reduction" in message, results
+        assert kind == REFUSED and "disagree on the loss reduction" in message, results
+
+
+def test_ranks_disagreeing_on_per_token_mode_all_raise(dist_pool):
+    results = _run(dist_pool, ("token_mean", "token_mean"), per_token=(False, True))
+    for kind, message in results:
+        assert kind == REFUSED and "calculate_per_token_loss" in message, results
 
 
 def _fractional_mask_on_rank1(rank, mbs, m):
@@ -102,18 +117,24 @@ def _negative_mask_on_rank0(rank, mbs, m):
     return mbs, m
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["", "per-token"])
 @pytest.mark.parametrize(
     "mutate, bad_rank, k",
     [(_fractional_mask_on_rank1, 1, 2), (_negative_mask_on_rank0, 0, 0)],
     ids=["fractional", "negative"],
 )
-def test_bad_mask_on_one_rank_stops_every_rank(dist_pool, mutate, bad_rank, k):
-    results = _run(dist_pool, ("token_mean", "token_mean"), mutate=mutate)
+def test_bad_mask_on_one_rank_stops_every_rank(dist_pool, mutate, bad_rank, k, per_token):
+    """Per-token token_mean (Megatron divides) is checked before the step like every mode."""
+    results = _run(
+        dist_pool, ("token_mean", "token_mean"), mutate=mutate, per_token=per_token
+    )
     kind, message = results[bad_rank]
-    assert kind == "ValueError" and f"micro-batch {k} must hold only 0 and 1" in message
+    assert kind == REFUSED and f"micro-batch {k} must hold only 0 and 1" in message, results
     kind, message = results[1 - bad_rank]
-    assert kind.endswith("ProblemOnAnotherRank")
-    assert "a data-parallel rank found a problem" in message
+    assert kind == PEER, results
+    assert f"a loss mask holds values other than 0 and 1 (reported by global rank {bad_rank}" in (
+        message
+    )
 
 
 def _short_iterator_on_rank1(rank, mbs, m):
@@ -122,14 +143,13 @@ def _short_iterator_on_rank1(rank, mbs, m):
 
 def test_num_microbatches_disagreeing_with_the_data(dist_pool):
     results = _run(dist_pool, ("sequence_mean", "sequence_mean"), mutate=_short_iterator_on_rank1)
-    assert results[1][0] == "ValueError" and "ran out after 2 micro-batches" in results[1][1]
-    assert "a data-parallel rank found a problem" in results[0][1]
+    assert results[1][0] == REFUSED and "ran out after 2 micro-batches" in results[1][1]
+    assert results[0][0] == PEER and "ran out before num_microbatches" in results[0][1]
 
 
-def test_bad_mask_with_streaming_mode_is_refused_after_the_step(dist_pool):
-    results = _run(dist_pool, ("off", "off"), mutate=_fractional_mask_on_rank1)
-    assert results[0] == ("ok", None)
-    assert results[1][0] == "ValueError" and "must hold only 0 and 1" in results[1][1]
+def test_off_asks_nothing_of_the_masks(dist_pool):
+    """``off`` is stock Megatron: a fractional mask is the user's business, not refused."""
+    assert _run(dist_pool, ("off", "off"), mutate=_fractional_mask_on_rank1) == [("ok", None)] * 2
 
 
 def _drop_mask(rank, mbs, m):
@@ -141,13 +161,16 @@ def _zero_microbatches(rank, mbs, m):
 
 
 @pytest.mark.parametrize(
-    "mutate, match",
-    [(_drop_mask, "holding the loss mask under 'loss_mask'"), (_zero_microbatches, "positive")],
+    "mutate, kind, match",
+    [
+        (_drop_mask, REFUSED, "holding the loss mask under 'loss_mask'"),
+        (_zero_microbatches, "ValueError", "positive"),
+    ],
     ids=["missing-mask", "no-microbatches"],
 )
-def test_malformed_step_inputs(dist_pool, mutate, match):
+def test_malformed_step_inputs(dist_pool, mutate, kind, match):
     results = _run(dist_pool, ("token_mean", "token_mean"), mutate=mutate, world=1)
-    assert results[0][0] == "ValueError" and match in results[0][1], results
+    assert results[0][0] == kind and match in results[0][1], results
 
 
 # ---------------------------------------------------------------- loss function contract

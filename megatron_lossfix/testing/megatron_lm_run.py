@@ -11,7 +11,7 @@ For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
 - :func:`run_pretrain_gpt` launches ``torchrun ... pretrain_gpt.py`` and parses the log lines
   and, with ``--lossfix-metrics-out``, the JSON metrics.
 
-    python -m megatron_lossfix.testing.megatron_lm_run write-data /tmp/lf/data/padded
+    python -m megatron_lossfix.testing.megatron_lm_run write-data /tmp/lf/padded PATH_TO_MEGATRON_LM
 """
 
 from __future__ import annotations
@@ -27,29 +27,36 @@ from pathlib import Path
 
 __all__ = [
     "RunResult",
+    "checkout_null_tokenizer_eod",
     "megatron_lm_env",
+    "patched_copy",
     "run_pretrain_gpt",
     "tiny_gpt_args",
     "write_padded_dataset",
 ]
 
-#: NullTokenizer with --vocab-size 256 has ids 0..255 and EOD = 256.
+#: ``--vocab-size`` of the runs. NullTokenizer's EOD id is 256 up to Megatron-LM 0.17 and 255
+#: from 0.18 (:func:`checkout_null_tokenizer_eod`); documents draw their text from 0..254, which
+#: is never EOD in either.
 VOCAB_SIZE = 256
-EOD = VOCAB_SIZE
 
 
 def write_padded_dataset(
     prefix: str | os.PathLike,
     *,
+    eod: int,
     num_docs: int = 400,
     seed: int = 0,
     text_len: tuple[int, int] = (4, 48),
     pad_len: tuple[int, int] = (1, 48),
 ) -> str:
-    """Write ``prefix.bin``/``prefix.idx``: documents of random tokens followed by EOD runs.
+    """Write ``prefix.bin``/``prefix.idx``: documents of random tokens followed by runs of
+    ``eod`` (the EOD id of the tokenizer the run uses: :func:`checkout_null_tokenizer_eod`).
 
     Returns the prefix (what ``--data-path`` takes). Deterministic for a given ``seed``.
     """
+    if not 0 <= eod <= VOCAB_SIZE:
+        raise ValueError(f"eod={eod} is outside the tokenizer's ids 0..{VOCAB_SIZE}")
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -58,8 +65,8 @@ def write_padded_dataset(
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     for _ in range(num_docs):
-        text = rng.integers(0, VOCAB_SIZE, size=int(rng.integers(*text_len)))
-        pad = np.full(int(rng.integers(*pad_len)), EOD)
+        text = rng.integers(0, VOCAB_SIZE - 1, size=int(rng.integers(*text_len)))
+        pad = np.full(int(rng.integers(*pad_len)), eod)
         builder.add_document(np.concatenate([text, pad]), [len(text) + len(pad)])
     builder.finalize(prefix + ".idx")
     return prefix
@@ -95,6 +102,28 @@ def tiny_gpt_args(
     return args
 
 
+def patched_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Copy what ``pretrain_gpt.py`` needs from a checkout (its top-level scripts and
+    ``megatron/``) to ``dest`` and apply our patch there (a no-op if the source was patched).
+
+    The runs compile Megatron's dataset helpers into the tree they run from: a copy keeps the
+    checkout as it was.
+    """
+    import shutil
+
+    from megatron_lossfix import patches
+
+    source, dest = Path(source), Path(dest)
+    dest.mkdir(parents=True)
+    for script in source.glob("*.py"):
+        shutil.copy2(script, dest / script.name)
+    shutil.copytree(
+        source / "megatron", dest / "megatron", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    patches.apply(dest)
+    return dest
+
+
 def megatron_lm_env(megatron_lm_path: str | os.PathLike) -> dict[str, str]:
     """Environment for a Megatron-LM run from this interpreter.
 
@@ -113,6 +142,27 @@ def megatron_lm_env(megatron_lm_path: str | os.PathLike) -> dict[str, str]:
     # Megatron-LM's argument check demands it for tensor parallelism before Blackwell.
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
+
+
+def checkout_null_tokenizer_eod(megatron_lm_path: str | os.PathLike) -> int:
+    """NullTokenizer's EOD id for ``--vocab-size VOCAB_SIZE`` in this checkout's own code.
+
+    :func:`megatron_lossfix.megatron_compat.null_tokenizer_eod` asks the installed megatron-core,
+    which may be another release than the checkout (the id moved in 0.18); this loads the
+    checkout's ``null_tokenizer.py`` by itself (it imports nothing from Megatron), which costs
+    nothing next to importing ``megatron.core``.
+    """
+    import importlib.util
+
+    source = Path(megatron_lm_path) / "megatron/core/tokenizers/text/libraries/null_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("_lossfix_checkout_null_tokenizer", source)
+    if spec is None or not source.is_file():
+        raise FileNotFoundError(
+            f"{source} not found: is {megatron_lm_path} a Megatron-LM checkout?"
+        )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.NullTokenizer(VOCAB_SIZE).eod)
 
 
 _LOG_LINE = re.compile(
@@ -167,6 +217,9 @@ def run_pretrain_gpt(
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "write-data":
-        sys.exit("usage: python -m megatron_lossfix.testing.megatron_lm_run write-data PREFIX")
-    print(write_padded_dataset(sys.argv[2]))
+    if len(sys.argv) != 4 or sys.argv[1] != "write-data":
+        sys.exit(
+            "usage: python -m megatron_lossfix.testing.megatron_lm_run write-data PREFIX "
+            "MEGATRON_LM_PATH"
+        )
+    print(write_padded_dataset(sys.argv[2], eod=checkout_null_tokenizer_eod(sys.argv[3])))

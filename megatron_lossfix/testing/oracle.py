@@ -118,6 +118,12 @@ def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[li
     return plan
 
 
+def _on_model_device(batch: dict[str, torch.Tensor], chunks: list) -> dict[str, torch.Tensor]:
+    """The batch on the model's device (a GPU run; a no-op under the CPU bridge)."""
+    device = next(chunks[0].parameters()).device
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def _split(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict]:
     parts = {k: torch.split(v, list(sizes)) for k, v in batch.items()}
     return [{k: parts[k][i] for k in batch} for i in range(len(sizes))]
@@ -127,7 +133,9 @@ def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back."""
     b, s = mb["tokens"].shape
     packed = {k: v.reshape(1, b * s) for k, v in mb.items()}
-    packed["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32)
+    packed["cu_seqlens"] = torch.arange(
+        0, b * s + 1, s, dtype=torch.int32, device=mb["tokens"].device
+    )
     return packed
 
 
@@ -242,7 +250,7 @@ def layout_grads(
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     plan = microbatch_plan(case, dp, num_microbatches)
-    batch = make_global_batch(case, config.vocab_size)
+    batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
     start = sum(sum(sizes) for sizes in plan[:dp_rank])
     local = {k: v[start : start + sum(plan[dp_rank])] for k, v in batch.items()}
     mbs = _split(local, plan[dp_rank])
@@ -313,7 +321,7 @@ def reference_grads(
     )
     set_deterministic_params(chunks, case.seed)
     optimizer = _optimizer(case, chunks, distributed=False) if case.optimizer else None
-    batch = make_global_batch(case, config.vocab_size)
+    batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
     target = "token_mean" if mode == "off" else mode
     if target == "token_mean_legacy":
         rank_masks = torch.split(batch["loss_mask"], [sum(sizes) for sizes in plan])

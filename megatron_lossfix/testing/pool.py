@@ -5,6 +5,10 @@ wants dozens of parallel layouts. `DistPool` starts `max_ranks` workers once; ea
 ranks `0..world_size-1` a fresh default process group of exactly `world_size` ranks (new store,
 short timeout so that a hang fails fast), runs a function there, and tears the process group and
 Megatron's parallel state down again. Ranks `>= world_size` sit idle for that call.
+
+With `cuda=True` (a machine with GPUs) the workers keep Megatron on CUDA instead of bridging it
+to the CPU: rank r uses GPU r, over NCCL. A world needs a GPU per rank: NCCL refuses two ranks
+on one GPU, and gloo refuses CUDA tensors in the coalesced all-reduce Megatron uses.
 """
 
 from __future__ import annotations
@@ -101,7 +105,34 @@ def _teardown() -> None:
             dist.destroy_process_group()
 
 
-def _run_task(slot: int, task: tuple, timeout_s: float) -> bytes:
+def _backend(world_size: int, cuda: bool) -> str:
+    import torch
+
+    if not cuda:
+        return "gloo"
+    if world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"{world_size} CUDA ranks need {world_size} GPUs, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    return "nccl"
+
+
+def _to_cpu(value: Any) -> Any:
+    """Tensors in (nested) dicts, lists and tuples moved to the CPU: results of CUDA workers
+    then unpickle in a parent that never touches the GPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -111,14 +142,15 @@ def _run_task(slot: int, task: tuple, timeout_s: float) -> bytes:
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo",
+            _backend(world_size, cuda),
             store=store,
             rank=slot,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
         del store
-        out: tuple = ("ok", fn(*args, **kwargs))
+        result = fn(*args, **kwargs)
+        out: tuple = ("ok", _to_cpu(result) if cuda else result)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         out = ("err", *_error_report(exc))
     finally:
@@ -129,7 +161,7 @@ def _run_task(slot: int, task: tuple, timeout_s: float) -> bytes:
         return pickle.dumps(("err", *_error_report(exc)))
 
 
-def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float) -> None:
+def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float, cuda: bool) -> None:
     _use_loopback()
     import warnings
 
@@ -152,28 +184,43 @@ def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float) -> None:
 
     from megatron_lossfix.cpu_compat import enable_cpu_megatron
 
-    # A CPU/gloo harness also on a machine with a GPU: results must not depend on which ran them.
-    enable_cpu_megatron(force=True)
+    if cuda:
+        # Ranks beyond the GPU count idle here; `_backend` refuses worlds that would use them.
+        torch.cuda.set_device(slot % torch.cuda.device_count())
+    else:
+        # A CPU/gloo harness also on a machine with a GPU: results must not depend on which ran
+        # them.
+        enable_cpu_megatron(force=True)
     results.put(("ready", slot, None))
     while True:
         task = tasks.get()
         if task is None:
             return
         call_id, body = task
-        results.put((call_id, slot, _run_task(slot, body, timeout_s)))
+        results.put((call_id, slot, _run_task(slot, body, timeout_s, cuda)))
 
 
 class DistPool:
-    """`max_ranks` long-lived CPU/gloo worker processes; see the module docstring."""
+    """`max_ranks` long-lived worker processes, CPU/gloo unless `cuda`; see the module
+    docstring."""
 
-    def __init__(self, max_ranks: int, timeout_s: float = 120, start_method: str | None = None):
+    def __init__(
+        self,
+        max_ranks: int,
+        timeout_s: float = 120,
+        start_method: str | None = None,
+        cuda: bool = False,
+    ):
         if max_ranks < 1:
             raise ValueError(f"max_ranks must be >= 1, got {max_ranks}")
         self.max_ranks = max_ranks
+        self.cuda = cuda
         self.timeout_s = float(timeout_s)
         if start_method is None:
             forkserver = "forkserver" in mp.get_all_start_methods()
-            start_method = "forkserver" if forkserver else "spawn"
+            # CUDA workers spawn: importing Megatron initializes CUDA in the fork server, and a
+            # forked child cannot initialize it again.
+            start_method = "forkserver" if forkserver and not cuda else "spawn"
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # The fork server imports torch + Megatron once and forks every worker from that:
@@ -199,7 +246,7 @@ class DistPool:
             tasks = self._ctx.Queue()
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(slot, tasks, self._results, self.timeout_s),
+                args=(slot, tasks, self._results, self.timeout_s, self.cuda),
                 name=f"distpool-rank{slot}",
                 daemon=True,
             )
@@ -239,7 +286,7 @@ class DistPool:
     # -- running -----------------------------------------------------------------------------
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list:
-        """Run `fn(*args, **kwargs)` on ranks `0..world_size-1` of a fresh gloo world.
+        """Run `fn(*args, **kwargs)` on ranks `0..world_size-1` of a fresh process group.
 
         `fn` must be a picklable top-level function. Returns the per-rank results (index = rank).
         If a rank raises, the exception is re-raised here, its remote traceback as `__cause__`.

@@ -140,6 +140,7 @@ def build_tiny_gpt(
     bucket_size: int | None = None,
     lora_rank: int | None = None,
     transformer_impl: str = "local",
+    bf16: bool = False,
     **config_kwargs: Any,
 ) -> tuple[list, Any]:
     """Build the GPTModel chunks of this rank, wrapped in Megatron DDP, plus their config.
@@ -152,7 +153,9 @@ def build_tiny_gpt(
     With `lora_rank`, each chunk gets a frozen base and LoRA adapters of that rank
     (`megatron_lossfix.lora.apply_lora`) before the DDP wrap. `transformer_impl` picks the local
     layer spec or Transformer Engine's (CUDA only). On a GPU run the chunks move to the current
-    CUDA device; under `cpu_compat` they stay on the CPU.
+    CUDA device; under `cpu_compat` they stay on the CPU. `bf16` builds the model the way
+    Megatron-LM's `--bf16` does: bf16 weights inside `Float16Module`, gradients accumulated and
+    reduced in fp32 (`main_grad`).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -161,6 +164,7 @@ def build_tiny_gpt(
         finalize_model_grads,
     )
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs: dict[str, Any] = dict(
@@ -189,6 +193,8 @@ def build_tiny_gpt(
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=calculate_per_token_loss,
     )
+    if bf16:
+        kwargs.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     if layout.vpp:
         # Megatron-LM's interleaved defaults. Batched p2p posts send_prev and send_next in one
         # batch; with PP=2 both go to the same peer and pair up crossed (activations received as
@@ -213,6 +219,8 @@ def build_tiny_gpt(
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
+        # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
+        grad_reduce_in_fp32=bf16,
     )
     chunks = []
     for vp_stage in range(layout.vpp or 1):
@@ -235,6 +243,8 @@ def build_tiny_gpt(
             apply_lora(model, rank=lora_rank)
         if torch.cuda.is_available() and not is_cpu_mode():
             model.cuda(torch.cuda.current_device())
+        if bf16:
+            model = Float16Module(config, model)
         # As Megatron-LM: only the first chunk's buffer is split into buckets.
         chunks.append(
             DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0)

@@ -1,0 +1,208 @@
+"""Break one rank's step and record how, and when, every rank of the step ends.
+
+``refusal_case`` runs on the ranks of a :class:`~megatron_lossfix.testing.pool.DistPool` call:
+one training step of the tiny GPT under PP2 x DP2 (world 4) through ``LossFixSchedule``, with the
+loss-stage input of one rank (by default global rank 3: last pipeline stage, DP rank 1) broken
+in the way ``case`` names. Each rank returns ``(outcome, message, seconds)``: the exception class
+(or ``"ok"``), its message and the seconds from the common start to the end of its step.
+
+A rank that raised does not leave at once: like a real process that caught the error, or an
+NCCL rank whose communicators stay alive, it holds its connections until every rank has ended
+its step or ``hold_s`` passed. So a peer that is left waiting on it (in Megatron's
+point-to-point or in a collective) shows up as a step that took ``hold_s`` and ended with a
+connection error, not as a quick failure caused by the pool tearing the group down.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+CASES = (
+    "missing-mask",
+    "non-dict",
+    "no-iterator",
+    "range",
+    "oserror",
+    "fractional-mask",
+    "short",
+    "per-token-missing-mask",
+    "int-loss",
+)
+"""``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
+after the pre-step agreement: it stays a one-rank error (documented residual)."""
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _meet(store: Any, key: str, world: int, deadline_s: float) -> None:
+    """Wait (polling the rendezvous store, not a process group) until ``world`` ranks arrive."""
+    store.add(key, 1)
+    end = time.monotonic() + deadline_s
+    while store.add(key, 0) < world and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+class _FailingIterator:
+    """Yields ``batches`` but raises OSError on the second read (an I/O error mid-step)."""
+
+    def __init__(self, batches: list):
+        self._it = iter(batches)
+        self._reads = 0
+
+    def __iter__(self) -> _FailingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self._reads += 1
+        if self._reads == 2:
+            raise OSError("simulated read error (shard file vanished)")
+        return next(self._it)
+
+
+def _forward_step(int_loss: bool, data_iterator: Any, model: Any) -> tuple:
+    from megatron_lossfix.losses import weighted_loss
+
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if int_loss:
+        return output, lambda out: (1, {})
+    weights = batch.get("loss_weights")
+    if weights is None:  # stock Megatron: Megatron-LM's (sum(m*l), m.sum(), report)
+        weights = batch["loss_mask"].float()
+    return output, partial(weighted_loss, weights)
+
+
+def refusal_case(
+    case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
+) -> tuple[str, str | None, float]:
+    """Pool worker (world 4): see the module docstring."""
+    import torch.distributed as dist
+
+    from megatron_lossfix import LossFixConfig, LossFixSchedule
+    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
+    from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
+
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}; choose one of {CASES}")
+    layout = init_layout(Layout(pp=2))
+    per_token = case == "per-token-missing-mask"
+    oracle = OracleCase(global_batch_size=8, seq_length=16)
+    chunks, config = build_tiny_gpt(
+        layout, seq_len=oracle.seq_length, calculate_per_token_loss=per_token
+    )
+    from megatron.core import parallel_state as ps
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batch = make_global_batch(oracle, config.vocab_size)
+    m, per_rank = 2, oracle.global_batch_size // dp
+    size = per_rank // m
+    start = dp_rank * per_rank
+    mbs = [
+        {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
+        for k in range(m)
+    ]
+    iterator: Any = iter(mbs)
+    if rank == bad_rank:
+        if case in ("missing-mask", "per-token-missing-mask"):
+            iterator = iter([{k: v for k, v in mb.items() if k != "loss_mask"} for mb in mbs])
+        elif case == "non-dict":
+            iterator = iter(range(m))
+        elif case == "no-iterator":
+            iterator = None
+        elif case == "range":
+            iterator = range(m)
+        elif case == "oserror":
+            iterator = _FailingIterator(mbs)
+        elif case == "fractional-mask":
+            iterator = iter([{**mb, "loss_mask": mb["loss_mask"] * 0.5} for mb in mbs])
+        elif case == "short":
+            iterator = iter(mbs[:1])
+    schedule = LossFixSchedule(LossFixConfig(reduction=mode))
+    store = _store()
+    _meet(store, "start", world, 120.0)
+    t0 = time.monotonic()
+    try:
+        schedule(
+            forward_step_func=partial(_forward_step, case == "int-loss" and rank == bad_rank),
+            data_iterator=iterator,
+            model=chunks[0],
+            num_microbatches=m,
+            seq_length=oracle.seq_length,
+            micro_batch_size=size,
+            forward_only=False,
+        )
+        outcome: tuple[str, str | None, float] = ("ok", None, time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges it
+        outcome = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    # Stay connected (as a live process would) until every rank is done or hold_s passed.
+    _meet(store, "done", world, hold_s)
+    return outcome
+
+
+def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
+    """Pool worker (world 4, PP2 x DP2): what the pipeline verdict costs on this machine.
+
+    ``allreduce_us``: median time of the extra all-reduce itself (the agreement vector over the
+    pipeline group, gloo); ``stock_ms`` / ``token_mean_ms``: median time of a whole training
+    step (tiny GPT, 2 micro-batches) stock and through the plugin, for scale."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix import LossFixConfig, LossFixSchedule
+    from megatron_lossfix.schedule import _VECTOR_LEN
+    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
+    from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
+
+    layout = init_layout(Layout(pp=2))
+    oracle = OracleCase(global_batch_size=8, seq_length=16)
+    chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(vec, group=pp_group)
+        vec.tolist()
+        times.append(time.perf_counter() - start)
+    dp_rank = ps.get_data_parallel_rank()
+    batch = make_global_batch(oracle, config.vocab_size)
+    mbs = [
+        {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
+        for k in range(2)
+    ]
+    step_ms: dict[str, list[float]] = {"stock": [], "token_mean": []}
+    for _ in range(steps):
+        for variant in step_ms:
+            func = (
+                get_forward_backward_func()
+                if variant == "stock"
+                else LossFixSchedule(LossFixConfig(reduction=variant))
+            )
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            start = time.perf_counter()
+            func(
+                forward_step_func=partial(_forward_step, False),
+                data_iterator=iter(mbs),
+                model=chunks[0],
+                num_microbatches=2,
+                seq_length=oracle.seq_length,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            step_ms[variant].append((time.perf_counter() - start) * 1e3)
+    return {
+        "allreduce_us": statistics.median(times) * 1e6,
+        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+    }

@@ -1,0 +1,196 @@
+"""The plugin inside Megatron Bridge's own training loop (``examples/bridge_pretrain.py``).
+
+Each layout is a real ``torchrun`` of Bridge's ``pretrain()`` on CPU/gloo: a tiny GPT, byte-level
+records whose loss masks vary between sequences, 2 iterations. With the plugin, 1 rank and 2 ranks
+(DP2 with more micro-batches, TP2, PP2) agree on the loss and grad norm to 1e-6; stock Bridge
+(``--loss-reduction off``) does not; Bridge's logged ``lm loss`` is the step's loss L.
+
+Skipped where megatron-bridge is not installed (``.ci/install_bridge.sh`` installs it). The
+packed-batch boundary tests need no Bridge and always run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lossfix.bridge import bridge_cu_seqlens
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
+needs_bridge = pytest.mark.skipif(
+    not HAVE_BRIDGE, reason="megatron-bridge is not installed (.ci/install_bridge.sh)"
+)
+
+#: A tiny model and 8 sequences per step: 4 micro-batches on one rank.
+COMMON = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "64", "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-2",
+]  # fmt: skip
+#: name -> (processes, flags); every layout runs several micro-batches per rank.
+LAYOUTS = {
+    "1rank": (1, ["--micro-batch-size", "2"]),
+    "dp2": (2, ["--micro-batch-size", "1"]),
+    "tp2": (2, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"]),
+    "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
+}
+RTOL = 1e-6
+_LM_LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+_RUNS: dict[tuple[str, str], tuple[list[dict], str]] = {}
+
+
+def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(metrics records, stdout) of one torchrun of the example; cached per session."""
+    key = (layout, reduction)
+    if key not in _RUNS:
+        nproc, flags = LAYOUTS[layout]
+        out = tmp_path_factory.mktemp(f"bridge_{layout}_{reduction}")
+        metrics = out / "metrics.jsonl"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), str(ROOT / "examples" / "bridge_pretrain.py"),
+            *COMMON, *flags, "--loss-reduction", reduction,
+            "--metrics-out", str(metrics),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, env=_env(), capture_output=True, text=True, timeout=1800, cwd=str(out)
+        )
+        if proc.returncode != 0:
+            tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            pytest.fail(f"{layout}/{reduction} failed:\n{tail}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        assert [r["iteration"] for r in records] == [1, 2], records
+        _RUNS[key] = (records, proc.stdout + proc.stderr)
+    return _RUNS[key]
+
+
+@needs_bridge
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
+    """Same loss, grad norm and token count on 2 ranks as on 1, at both iterations (the second
+    after an optimizer step taken from the first step's gradient)."""
+    ref, _ = _run("1rank", reduction, tmp_path_factory)
+    got, _ = _run(layout, reduction, tmp_path_factory)
+    for r, g in zip(ref, got, strict=True):
+        assert g["num_tokens"] == r["num_tokens"] > 0
+        assert g["num_sequences"] == r["num_sequences"]
+        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
+        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+
+
+@needs_bridge
+def test_stock_bridge_differs(tmp_path_factory):
+    """Without the plugin, Bridge's gradient depends on how the step is cut into micro-batches:
+    the same check that passes above fails (the test can fail), and stock differs from L."""
+    ref, _ = _run("1rank", "off", tmp_path_factory)
+    got, _ = _run("dp2", "off", tmp_path_factory)
+    assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
+    assert _rel(got[0]["loss"], ref[0]["loss"]) > 1e-3, (ref[0], got[0])
+    exact, _ = _run("1rank", "token_mean", tmp_path_factory)
+    assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3
+
+
+@needs_bridge
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("layout", ["1rank", "dp2", "tp2", "pp2"])
+def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
+    """Bridge's own ``lm loss`` (its loss dict, and its printed log line) is the step's L."""
+    records, log = _run(layout, reduction, tmp_path_factory)
+    for record in records:
+        assert _rel(record["lm_loss"], record["loss"]) <= RTOL, record
+    printed = [float(v) for v in _LM_LOSS.findall(log)]
+    assert len(printed) == len(records), log[-3000:]
+    for value, record in zip(printed, records, strict=True):
+        assert _rel(value, record["loss"]) <= 1e-6 + 5e-7 * 10, (value, record)  # 7 digits
+
+
+@needs_bridge
+def test_enable_disable_bridge_is_idempotent_and_reversible():
+    """enable_bridge twice, then disable_bridge, leaves Bridge's own functions in place."""
+    script = """
+from megatron_lossfix.cpu_compat import enable_cpu_bridge
+enable_cpu_bridge()
+from megatron.bridge.training import train
+from megatron_lossfix import LossFixConfig
+from megatron_lossfix.bridge import disable_bridge, enable_bridge
+getter, step = train.get_forward_backward_func, train.train_step
+enable_bridge(LossFixConfig(reduction="token_mean"), metrics_out="/dev/null")
+patched = train.get_forward_backward_func
+assert patched is not getter and train.train_step is not step
+enable_bridge(LossFixConfig(reduction="sequence_mean"))
+assert train.get_forward_backward_func.__wrapped__ is getter
+assert train.train_step is step  # no metrics_out: Bridge's own train_step
+wrapper = train.get_forward_backward_func(pp_size=1, vp_size=None)
+assert wrapper.user_config.reduction == "sequence_mean", wrapper.user_config
+disable_bridge()
+disable_bridge()
+assert train.get_forward_backward_func is getter and train.train_step is step
+print("OK")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script],
+        env=_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------- packed batches
+def test_bridge_cu_seqlens_formats():
+    """Bridge's packed (THD) boundaries, [1, n] with sentinels, become plain 1-D boundaries."""
+    legacy = {"cu_seqlens": torch.tensor([[0, 3, 7, 10, -1, -1]])}
+    assert bridge_cu_seqlens(legacy).tolist() == [0, 3, 7, 10]
+    with_argmin = {**legacy, "cu_seqlens_argmin": torch.tensor([4])}
+    assert bridge_cu_seqlens(with_argmin).tolist() == [0, 3, 7, 10]
+    current = {
+        "cu_seqlens_q": torch.tensor([[0, 2, 5]]),
+        "cu_seqlens_q_padded": torch.tensor([[0, 4, 8]]),
+    }
+    assert bridge_cu_seqlens(current).tolist() == [0, 4, 8]  # token positions follow padding
+    assert bridge_cu_seqlens({"tokens": torch.zeros(1, 4)}) is None
+    with pytest.raises(ValueError, match="micro-batch size 1"):
+        bridge_cu_seqlens({"cu_seqlens": torch.tensor([[0, 2], [0, 2]])})
+
+
+def test_packed_bridge_batch_counts_each_sequence():
+    """sequence_mean over a packed Bridge row weighs each packed sequence like its own row."""
+    from megatron_lossfix import LossFixConfig
+    from megatron_lossfix.bridge import _CU_SEQLENS_KEY, _LossStageBatches
+    from megatron_lossfix.reduction import count_tokens, weights_from_counts
+    from megatron_lossfix.schedule import LossFixSchedule
+
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.float32)
+    packed = {"loss_mask": mask, "cu_seqlens": torch.tensor([[0, 4, 8, 10, -1]])}
+    (batch,) = list(_LossStageBatches(iter([packed])))
+    assert batch[_CU_SEQLENS_KEY].tolist() == [0, 4, 8, 10]
+    schedule = LossFixSchedule(
+        LossFixConfig(reduction="sequence_mean", cu_seqlens_key=_CU_SEQLENS_KEY)
+    )
+    segments, num = schedule._segments_of(batch, mask, 0)
+    counts = count_tokens([mask], segment_ids=[segments], num_segments=[num])
+    (weights,) = weights_from_counts([mask], counts, "sequence_mean", segment_ids=[segments])
+    # Sequences [0,4) with 3 tokens, [4,8) with 2, [8,10) with none: S = 2.
+    expected = torch.tensor([[0, 1 / 6, 1 / 6, 1 / 6, 0, 0, 1 / 4, 1 / 4, 0, 0]])
+    torch.testing.assert_close(weights, expected)
+    # Read as one unpacked row, the same mask would be one sequence: the boundaries matter.
+    (one_row,) = weights_from_counts([mask], count_tokens([mask]), "sequence_mean")
+    assert not torch.allclose(one_row, expected)
