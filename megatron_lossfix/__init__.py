@@ -9,7 +9,7 @@ Importing the package does not import Megatron; modules that need it (``lora``, 
 exported here: its module imports Megatron only when the bridge is switched on.
 """
 
-from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.args import add_lossfix_args, from_args, schedule_from_args
 from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
@@ -31,6 +31,7 @@ __all__ = [
     "loss_weights",
     "rl_objective",
     "scale_advantages",
+    "schedule_from_args",
     "token_cross_entropy",
     "vocab_parallel_logprobs_entropy",
     "weighted_loss",
