@@ -11,7 +11,8 @@ megatron-core and this project with its test extras, and runs the suite on CPU/g
   supports Python 3.11): the whole suite.
 * ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite; then, in the same
   virtualenv (torch is the expensive part), megatron-core 0.17.1 and 0.18.2 for the release
-  checks and the invariance matrix, context parallelism included.
+  checks and the invariance matrix, context parallelism included; last, megatron-core 0.19.2
+  again with Megatron Bridge 0.6.2 (``.ci/install_bridge.sh``) for the Bridge tests.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ MATRIX_TESTS = (
     "tests/test_megatron_averaging.py",
     "tests/test_invariance.py",
     "tests/test_hard_layouts.py",
-    "tests/test_rl_invariance.py",
 )
 
 
@@ -75,3 +75,9 @@ def tests_312(session: nox.Session) -> None:
     for release in OLDER_312:
         session.install(f"megatron-core=={release}")
         session.run("python", "-m", "pytest", "-q", *(session.posargs or MATRIX_TESTS))
+    # Megatron Bridge last: Bridge 0.6 pins the 0.19 line, and the nvidia-resiliency-ext it
+    # brings breaks a plain `import megatron.core` (the plugin's Bridge CPU shims hide it), so
+    # nothing else runs in this virtualenv after it.
+    session.install(f"megatron-core=={LATEST['3.12']}")
+    session.run("bash", ".ci/install_bridge.sh", os.path.join(session.bin, "python"), external=True)
+    session.run("python", "-m", "pytest", "-q", "tests/test_bridge.py")
