@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NoReturn
@@ -69,15 +70,27 @@ def _print_error(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
+def _exit_before_startup(prog: str, message: str) -> NoReturn:
+    """Exit 2 on every rank; rank 0 prints the line. torchrun stops the whole launch as soon as
+    one rank exits, so the silent ranks give rank 0 a moment to print before they go."""
+    if _reporting_rank():
+        _print_error(prog, message)
+    else:
+        time.sleep(_SILENT_RANK_GRACE_S)
+    sys.exit(2)
+
+
+#: How long a silent rank waits before exiting on a usage error (see _exit_before_startup).
+_SILENT_RANK_GRACE_S = 3.0
+
+
 class ExampleArgumentParser(argparse.ArgumentParser):
     """argparse, except that a usage error is one line, ``prog: error: message``, printed by
     global rank 0 only (torchrun starts every rank with the same flags), with exit status 2 on
     every rank. The usage text, a screenful for these scripts, is left to ``--help``."""
 
     def error(self, message: str) -> NoReturn:
-        if _reporting_rank():
-            _print_error(self.prog, message)
-        sys.exit(2)
+        _exit_before_startup(self.prog, message)
 
 
 def positive_int(text: str) -> int:
@@ -119,9 +132,7 @@ def one_line_errors(prog: str) -> Iterator[None]:
         if not started:
             if isinstance(exc, SelfCheckError):
                 raise
-            if _reporting_rank():
-                _print_error(prog, _describe(exc))
-            sys.exit(2)
+            _exit_before_startup(prog, _describe(exc))
         if isinstance(exc, OSError) or not _raised_by_us(exc):
             raise  # a ValueError deep inside Megatron or torch is a bug: keep its traceback
         rank = dist.get_rank()
