@@ -376,7 +376,8 @@ class LossFixSchedule:
             if len(outputs) == 3 and isinstance(outputs[1], torch.Tensor):
                 num_tokens = outputs[1].detach()
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            loss = loss.detach().reshape(())
+            # A copy: Megatron scales the returned tensor in place right after this call.
+            loss = loss.detach().clone().reshape(())
             if self.config.check_finite:
                 self._check_finite_outputs(loss, report, len(state.raw))
         else:

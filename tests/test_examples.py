@@ -59,6 +59,17 @@ def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
         assert loss_diff <= TOL and norm_diff <= TOL, (reduction, loss_diff, norm_diff, one, two)
 
 
+def test_off_reports_stocks_own_loss(tmp_path):
+    """One rank, one micro-batch: stock Megatron's loss is the token mean, so ``off``'s logged
+    loss must equal ``token_mean``'s before the first update (Megatron scales the loss tensor in
+    place after the loss function returns; the metric must not see that)."""
+    args = [*COMMON, "--micro-batch-size", "12", "--train-iters", "1"]
+    off = run_example("pretrain_gpt.py", 1, tmp_path / "off.jsonl", *args, "--loss-reduction", "off")
+    exact = run_example("pretrain_gpt.py", 1, tmp_path / "tm.jsonl", *args,
+                        "--loss-reduction", "token_mean")  # fmt: skip
+    assert abs(off[0]["loss"] - exact[0]["loss"]) <= TOL * exact[0]["loss"], (off, exact)
+
+
 @pytest.mark.parametrize(
     "layout_args",
     [
