@@ -213,9 +213,14 @@ class _Installed:
 _INSTALLED: _Installed | None = None
 
 
-def enable_bridge(config: LossFixConfig, *, metrics_out: str | None = None) -> None:
+def enable_bridge(
+    config: LossFixConfig | Mapping[str, Any], *, metrics_out: str | None = None
+) -> None:
     """Make Bridge's training loop (``pretrain``, ``finetune``) run the plugin's schedule.
 
+    ``config`` is a :class:`~megatron_lossfix.LossFixConfig` (a kw-only dataclass, like the
+    sections of Bridge's ``ConfigContainer``) or a mapping of its fields, e.g. the
+    ``lossfix`` node of a Hydra/OmegaConf override set (``lossfix.reduction=sequence_mean``).
     Patches ``megatron.bridge.training.train.get_forward_backward_func`` (what ``train()``
     calls once, before its loop) to return a :class:`BridgeLossFix` around Bridge's schedule.
     Use :func:`lossfix_forward_step` as the forward step. With ``metrics_out``, global rank 0
@@ -224,8 +229,13 @@ def enable_bridge(config: LossFixConfig, *, metrics_out: str | None = None) -> N
     ``reduction``. Call again to change the config; :func:`disable_bridge` undoes it.
     """
     global _INSTALLED
+    if isinstance(config, Mapping):
+        config = LossFixConfig(**config)
     if not isinstance(config, LossFixConfig):
-        raise TypeError(f"config must be a LossFixConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a LossFixConfig or a mapping of its fields, got "
+            f"{type(config).__name__}"
+        )
     from megatron.bridge.training import train as bridge_train
 
     if _INSTALLED is None:
