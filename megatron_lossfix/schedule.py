@@ -151,10 +151,12 @@ _KINDS: tuple[str, ...] = (
     "a loss mask holds values other than 0 and 1",
     "an error while preparing the step",
     "ranks disagree on the loss reduction or calculate_per_token_loss",
+    "the loss function failed or returned what the plugin cannot use",
 )
-_NO_ITERATOR, _UNREADABLE, _RAN_OUT, _NOT_DICT, _MALFORMED, _MASK_VALUES, _OTHER, _DISAGREE = (
-    range(len(_KINDS))
-)
+(
+    _NO_ITERATOR, _UNREADABLE, _RAN_OUT, _NOT_DICT, _MALFORMED, _MASK_VALUES, _OTHER, _DISAGREE,
+    _LOSS_FUNC,
+) = range(len(_KINDS))  # fmt: skip
 # Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
 # (global rank + 1), one count per kind]. float64: exact for counts below 2**53.
 _N, _S, _FP, _FP2, _PROBLEMS, _RANK_SUM, _KIND0 = range(7)
@@ -234,6 +236,9 @@ class _StepState:
     """``off``: each loss tuple's (loss, num_tokens), ``None`` where it was not a tensor."""
     unmasked: int = 0
     """``off``: micro-batches read without a usable loss mask."""
+    problem: _LocalProblem | None = None
+    """The first error of the loss stage inside Megatron's schedule (a plugin mode): the step
+    ran on with a zero loss there, and every rank of the step refuses it afterwards."""
 
 
 class LossFixSchedule:
@@ -461,13 +466,15 @@ class LossFixSchedule:
             wrapped_step = self._wrap_forward_step(
                 forward_step_func, step_iter, num_microbatches, groups, state
             )
-        return self._inner_func(model, groups.pp)(
+        result = self._inner_func(model, groups.pp)(
             forward_step_func=wrapped_step,
             data_iterator=iterators if isinstance(data_iterator, list) else iterators[0],
             model=model,
             num_microbatches=num_microbatches,
             **kwargs,
         )
+        self._agree_after(groups, state)
+        return result
 
     def _read_step(
         self, source: Any, num_microbatches: int
@@ -589,6 +596,41 @@ class LossFixSchedule:
             mb_tokens=local_counts.mb_tokens,
             dp_size=groups.dp_size,
         )
+
+    def _agree_after(self, groups: StepGroups, state: _StepState) -> None:
+        """Refuse the step on every rank if the loss stage hit an error inside the schedule.
+
+        Such an error (a loss function that raised or returned no one-element tensor, a
+        forward step that never read its micro-batch, a non-finite loss under check_finite)
+        does not stop the loss stage: it hands Megatron a zero loss and lets the schedule end,
+        so no peer is left in point-to-point or in DDP's all-reduce. Then this one small
+        all-reduce over DP x CP (loss stage) and, with pipelining, over the pipeline group tells
+        every rank; the step's gradients are not to be used. A single-rank step needs none.
+        """
+        problem = state.problem
+        if groups.dp_cp_size <= 1 and groups.pp_size <= 1:
+            if problem is not None:
+                self.last_step = None
+                raise StepRefused(f"{_PREFIX}{problem}") from problem.__cause__
+            return
+        vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=_default_device())
+        if problem is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
+        if groups.is_last_stage:
+            vec = self._reduce(vec, groups.dp_cp)
+        if groups.pp_size > 1:
+            vec = self._reduce(vec, groups.pp)
+        values = vec.tolist()
+        if values[_PROBLEMS] > 0:
+            self.last_step = None
+            self._verdict(
+                [0.0 if i in (_FP, _FP2) else v for i, v in enumerate(values)],
+                groups,
+                bool(state.per_token),
+                problem,
+                None,
+            )
 
     @staticmethod
     def _count(
@@ -722,17 +764,26 @@ class LossFixSchedule:
             if data_iterator is not step_iter:
                 return output, loss_func  # another model chunk: Megatron never calls its loss
             k = step_iter.index
-            if k < 0:
-                raise ValueError(
-                    "forward_step_func returned without reading its micro-batch from the data "
-                    "iterator on the loss stage"
-                )
 
             def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
-                outputs = loss_func(output_tensor, *a, **kw)
-                if kw.get("non_loss_data"):
-                    return outputs
-                return self._convert(outputs, k, scale, state)
+                if state.problem is not None:
+                    return self._zero_loss(output_tensor, state)
+                try:
+                    if k < 0:
+                        raise ValueError(
+                            "forward_step_func returned without reading its micro-batch from "
+                            "the data iterator on the loss stage"
+                        )
+                    outputs = loss_func(output_tensor, *a, **kw)
+                    if kw.get("non_loss_data"):
+                        return outputs
+                    return self._convert(outputs, k, scale, state)
+                except Exception as exc:  # noqa: BLE001 - every rank hears of it after the step
+                    state.problem = _LocalProblem(
+                        _LOSS_FUNC, f"micro-batch {k}: {type(exc).__name__}: {exc}"
+                    )
+                    state.problem.__cause__ = exc
+                    return self._zero_loss(output_tensor, state)
 
             return output, loss
 
@@ -775,6 +826,18 @@ class LossFixSchedule:
         if per_token:
             return loss * scale, num_tokens, report
         return loss * scale, report
+
+    @staticmethod
+    def _zero_loss(output_tensor: Any, state: _StepState) -> tuple:
+        """A loss of 0 with the output's graph, in the form Megatron expects: the schedule ends
+        normally (backward sends zero gradients upstream) and the step is refused after it."""
+        if isinstance(output_tensor, torch.Tensor) and output_tensor.is_floating_point():
+            zero = (output_tensor * 0).sum().float()
+        else:
+            zero = torch.zeros((), device=_default_device())
+        if state.per_token:
+            return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
+        return zero, {}
 
     @staticmethod
     def _check_finite_outputs(loss: torch.Tensor, report: Any, k: int) -> None:

@@ -1,5 +1,5 @@
-"""Collectives of one training step: ``off`` adds none; a plugin mode adds one small all-reduce
-over DP x CP on the loss stage and, with pipeline parallelism, one over the pipeline group.
+"""Collectives of one training step: ``off`` adds none; a plugin mode adds two small all-reduces
+over DP x CP on the loss stage and, with pipeline parallelism, two over the pipeline group.
 
 Inside the pool's worker ranks every ``torch.distributed`` collective and point-to-point entry
 point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
@@ -11,13 +11,15 @@ is counted for stock Megatron (its own ``get_forward_backward_func()`` with the 
 
 Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, looked on).
 Every plugin mode adds, on the loss (last pipeline) stage of a data-parallel run, one
-all-reduce over the DP x CP group: the token counts and the step's cross-rank checks (same
-reduction everywhere, nothing refused) in one vector. With pipeline parallelism every stage
-adds one more small all-reduce, over the pipeline group, that hands the verdict to the stages
-that hold no loss (so that a refusal on the loss stage stops them too instead of leaving them in
-Megatron's point-to-point). DP=1 without pipelining adds nothing. And the counts do not depend
-on the data: a step where a DP rank holds no loss token at all does exactly the same
-collectives.
+all-reduce over the DP x CP group before the step: the token counts and the step's cross-rank
+checks (same reduction everywhere, nothing refused) in one vector. With pipeline parallelism
+every stage adds one more small all-reduce, over the pipeline group, that hands the verdict to
+the stages that hold no loss (so that a refusal on the loss stage stops them too instead of
+leaving them in Megatron's point-to-point). After the step the same two (DP x CP on the loss
+stage, the pipeline group with PP) carry the verdict on errors met inside Megatron's schedule
+(a loss function that raised): one small vector each. DP=1 without pipelining adds nothing.
+And the counts do not depend on the data: a step where a DP rank holds no loss token at all
+does exactly the same collectives.
 """
 
 from __future__ import annotations
@@ -258,15 +260,16 @@ def _extra(plugin: Counts, stock: Counts) -> Counts:
 
 
 def _expected_extra(mode: str, info: dict[str, Any]) -> Counts:
-    """``off``: nothing. A plugin mode: one all-reduce over DP x CP on loss-stage ranks of a
-    data-parallel run (counts and checks), one over the pipeline group on every rank with PP."""
+    """``off``: nothing. A plugin mode: two all-reduces over DP x CP on loss-stage ranks of a
+    data-parallel run (counts and checks before the step, the loss stage's verdict after it),
+    two over the pipeline group on every rank with PP."""
     if mode == "off":
         return {}
     extra = {}
     if info["loss_stage"] and "," in info["dp_cp_ranks"]:
-        extra[f"all_reduce@{info['dp_cp_ranks']}"] = 1
+        extra[f"all_reduce@{info['dp_cp_ranks']}"] = 2
     if "," in info["pp_ranks"]:
-        extra[f"all_reduce@{info['pp_ranks']}"] = 1
+        extra[f"all_reduce@{info['pp_ranks']}"] = 2
     return extra
 
 

@@ -5,7 +5,9 @@ with; every rank must end its step with a StepRefused naming the problem -- the 
 the details, its DP peer and both first-stage ranks naming that rank -- long before the hold
 (``refusal_case`` keeps a failed rank connected for ``HOLD_S``, as a live process would, so a
 peer left waiting in Megatron's point-to-point would take ``HOLD_S`` and end with a connection
-error). Before the pre-step agreement covered the pipeline, the first-stage ranks waited there.
+error). Before the pre-step agreement covered the pipeline, the first-stage ranks waited there;
+before the agreement after the step, a loss function's error (``int-loss``) left every other rank
+waiting in Megatron's point-to-point or DDP's all-reduce.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ CASES = {
     "per-token-missing-mask": (
         "must be a dict holding the loss mask",
         "a micro-batch is not a dict holding the loss mask",
+    ),
+    # Found inside Megatron's schedule: the loss stage ends the schedule with a zero loss, and
+    # the agreement after the step tells every rank.
+    "int-loss": (
+        "micro-batch 0: ValueError: loss_func must return a one-element loss tensor first, got int",
+        "the loss function failed or returned what the plugin cannot use",
     ),
 }
 

@@ -31,7 +31,7 @@ CASES = (
     "int-loss",
 )
 """``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
-after the pre-step agreement: it stays a one-rank error (documented residual)."""
+after the pre-step agreement; the agreement after the step refuses it on every rank."""
 
 
 def _store() -> Any:
@@ -149,9 +149,11 @@ def refusal_case(
 def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     """Pool worker (world 4, PP2 x DP2): what the pipeline verdict costs on this machine.
 
-    ``allreduce_us``: median time of the extra all-reduce itself (the agreement vector over the
-    pipeline group, gloo); ``stock_ms`` / ``token_mean_ms``: median time of a whole training
-    step (tiny GPT, 2 micro-batches) stock and through the plugin, for scale."""
+    ``allreduce_us`` / ``dp_allreduce_us``: median time of one agreement all-reduce (the
+    vector over the pipeline group / the DP x CP group, gloo, with its host read); a plugin step
+    makes two of each here, one before and one after Megatron's schedule. ``stock_ms`` /
+    ``token_mean_ms``: median time of a whole training step (tiny GPT, 2 micro-batches) stock
+    and through the plugin, for scale."""
     import statistics
 
     import torch
@@ -169,12 +171,15 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
     pp_group = ps.get_pipeline_model_parallel_group()
     vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64)
-    times = []
+    times: list[float] = []
+    dp_times: list[float] = []
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
     for _ in range(reps):
-        start = time.perf_counter()
-        dist.all_reduce(vec, group=pp_group)
-        vec.tolist()
-        times.append(time.perf_counter() - start)
+        for group, out in ((pp_group, times), (dp_group, dp_times)):
+            start = time.perf_counter()
+            dist.all_reduce(vec, group=group)
+            vec.tolist()
+            out.append(time.perf_counter() - start)
     dp_rank = ps.get_data_parallel_rank()
     batch = make_global_batch(oracle, config.vocab_size)
     mbs = [
@@ -204,5 +209,6 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
             step_ms[variant].append((time.perf_counter() - start) * 1e3)
     return {
         "allreduce_us": statistics.median(times) * 1e6,
+        "dp_allreduce_us": statistics.median(dp_times) * 1e6,
         **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
     }
