@@ -64,7 +64,8 @@ def test_off_reports_stocks_own_loss(tmp_path):
     loss must equal ``token_mean``'s before the first update (Megatron scales the loss tensor in
     place after the loss function returns; the metric must not see that)."""
     args = [*COMMON, "--micro-batch-size", "12", "--train-iters", "1"]
-    off = run_example("pretrain_gpt.py", 1, tmp_path / "off.jsonl", *args, "--loss-reduction", "off")
+    off = run_example("pretrain_gpt.py", 1, tmp_path / "off.jsonl", *args,
+                      "--loss-reduction", "off")  # fmt: skip
     exact = run_example("pretrain_gpt.py", 1, tmp_path / "tm.jsonl", *args,
                         "--loss-reduction", "token_mean")  # fmt: skip
     assert abs(off[0]["loss"] - exact[0]["loss"]) <= TOL * exact[0]["loss"], (off, exact)
