@@ -187,15 +187,18 @@ class _Runs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.copies: dict[str, tuple[Path, str]] = {}
+        self.copies: dict[str, tuple[Path, int, str, list[str]]] = {}
         self.results: dict[tuple[str, str, str], list[dict]] = {}
 
-    def copy(self, checkout: str) -> tuple[Path, str]:
-        """The patched copy of ``checkout`` and the prefix of its masked data."""
+    def copy(self, checkout: str) -> tuple[Path, int, str, list[str]]:
+        """The patched copy of ``checkout``, its EOD id, the prefix of its masked data and the
+        flags that load the initial weights every layout starts from."""
         if checkout not in self.copies:
             from megatron_lossfix.testing.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
                 patched_copy,
+                save_initial_checkpoint,
+                tiny_gpt_args,
                 write_padded_dataset,
             )
 
@@ -203,7 +206,9 @@ class _Runs:
             copy = patched_copy(checkout, self.root / f"megatron-lm-{n}")
             eod = checkout_null_tokenizer_eod(copy)
             data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
-            self.copies[checkout] = (copy, data)
+            args = tiny_gpt_args(micro_batch_size=1, data_path=data, eod=eod)
+            load = save_initial_checkpoint(copy, args, self.root / f"init-{n}")
+            self.copies[checkout] = (copy, eod, data, load)
         return self.copies[checkout]
 
     def get(self, checkout: str, layout: str, mode: str) -> list[dict]:
@@ -213,9 +218,10 @@ class _Runs:
         if key not in self.results:
             from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
 
-            copy, data = self.copy(checkout)
+            copy, eod, data, load = self.copy(checkout)
             nproc, mbs, flags = (1, 1, []) if layout == "mb1" else LAYOUTS[layout]
-            args = tiny_gpt_args(micro_batch_size=mbs, train_iters=ITERS, data_path=data)
+            args = tiny_gpt_args(micro_batch_size=mbs, train_iters=ITERS, data_path=data, eod=eod)
+            args += load
             metrics = None
             if mode == "fix":
                 args += ["--loss-reduction", "token_mean", *flags]
@@ -231,6 +237,11 @@ class _Runs:
         return self.results[key]
 
 
+def _max_rel_diff(ref: list[dict], got: list[dict], keys: tuple[str, ...]) -> float:
+    pairs = zip(ref, got, strict=True)
+    return max(abs(b[k] - a[k]) / abs(a[k]) for a, b in pairs for k in keys)
+
+
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
     return _Runs(tmp_path_factory.mktemp("megatron-lm-runs"))
@@ -241,8 +252,9 @@ def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str, layout: str):
     """1 rank x 8 micro-batches vs micro-batch 4 (with the runtime self-check), DP2, TP2, PP2 on
-    data where about half the tokens are masked: with ``--loss-reduction token_mean`` the loss
-    and the grad norm of every iteration agree to 1e-6; stock Megatron-LM's do not."""
+    data where about half the tokens are masked, every run starting from the same initial
+    weights: with ``--loss-reduction token_mean`` the loss and the grad norm of every iteration
+    agree to 1e-6; stock Megatron-LM's do not."""
     reference, fixed = lm_runs.get(checkout, "mb1", "fix"), lm_runs.get(checkout, layout, "fix")
     tokens = 8 * 64  # global batch x sequence length
     for a, b in zip(reference, fixed, strict=True):
@@ -251,7 +263,11 @@ def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str,
         assert b["lm_loss"] == pytest.approx(b["loss"], rel=REL)  # Megatron-LM logs L itself
         assert b["loss"] == pytest.approx(a["loss"], rel=REL)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=REL)
+    fix_diff = _max_rel_diff(reference, fixed, ("loss", "grad_norm"))
     # Stock (no flag): the mean of per-micro-batch means moves the gradient with the layout. The
     # log prints the grad norm with 3 decimals: far more than that apart.
     reference, stock = lm_runs.get(checkout, "mb1", "stock"), lm_runs.get(checkout, layout, "stock")
     assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)
+    stock_diff = _max_rel_diff(reference, stock, ("lm_loss", "grad_norm"))
+    print(f"{Path(checkout).name} {layout}: token_mean max rel diff {fix_diff:.1e}, "
+          f"stock {stock_diff:.1e}")  # fmt: skip

@@ -31,6 +31,7 @@ __all__ = [
     "megatron_lm_env",
     "patched_copy",
     "run_pretrain_gpt",
+    "save_initial_checkpoint",
     "tiny_gpt_args",
     "write_padded_dataset",
 ]
@@ -79,9 +80,16 @@ def tiny_gpt_args(
     train_iters: int = 3,
     data_path: str | None = None,
     seq_length: int = 64,
+    eod: int | None = None,
 ) -> list[str]:
     """Flags of a tiny GPT that Megatron-LM trains on CPU in seconds per step (local layers,
-    no fused kernels, no dropout, so runs are comparable across layouts)."""
+    no fused kernels, no dropout, so runs are comparable across layouts).
+
+    With ``eod`` (the checkout's NullTokenizer EOD id, :func:`checkout_null_tokenizer_eod`) the
+    vocabulary is padded to the same size under TP1 and TP2: Megatron-LM pads it to a multiple
+    of ``--make-vocab-size-divisible-by`` x TP, and the padding changes both the initial weights
+    and the softmax, so the default (128) gives TP2 another model than TP1.
+    """
     args = [
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
@@ -95,11 +103,33 @@ def tiny_gpt_args(
         "--no-rope-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     ]  # fmt: skip
+    if eod is not None:
+        args += ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]  # half the vocabulary
     if data_path is None:
         args.append("--mock-data")
     else:
         args += ["--data-path", data_path, "--split", "100,0,0", "--eod-mask-loss"]
     return args
+
+
+def save_initial_checkpoint(
+    megatron_lm_path: str | os.PathLike, args: Sequence[str], dest: str | os.PathLike
+) -> list[str]:
+    """Save the initial weights of the one-rank model of ``args`` to ``dest`` (one iteration at
+    learning rate 0); returns the flags that make another run start from them.
+
+    Megatron-LM seeds each pipeline stage differently (seed + 100 x stage), so a PP2 run would
+    otherwise train other initial weights than PP1. Its torch_dist checkpoints reshard on load,
+    so every TP/PP/DP layout can load this one. Needs ``psutil`` (the checkpoint writer uses it).
+    """
+    args = list(args)
+    for flag, value in (("--train-iters", "1"), ("--lr", "0")):
+        args[args.index(flag) + 1] = value
+    args += ["--min-lr", "0", "--save", str(dest), "--save-interval", "1"]
+    result = run_pretrain_gpt(megatron_lm_path, args, nproc=1)
+    if result.returncode != 0:
+        raise RuntimeError(f"saving the initial checkpoint failed:\n{result.output[-4000:]}")
+    return ["--load", str(dest), "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def patched_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
