@@ -50,15 +50,20 @@ def test_moe_main_loss_gradient_is_invariant(dist_pool):
     assert checks["off"]["error"] > 1e-3
 
 
-def test_moe_aux_and_z_loss_keep_stock_megatron_semantics(dist_pool):
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean-path", "per-token-path"])
+def test_moe_aux_and_z_loss_keep_stock_megatron_semantics(dist_pool, per_token):
     """The aux-loss and z-loss gradients are what stock Megatron gives for the same layout:
-    (plugin with aux) - (plugin without) == (stock with aux) - (stock without)."""
-    with_aux = OracleCase(model_kwargs={**MOE, "moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.1})
-    plain = OracleCase(model_kwargs=MOE)
+    (plugin with aux) - (plugin without) == (stock with aux) - (stock without), on both of
+    Megatron's paths (its per-token mode scales the aux losses its own way, differently from
+    0.19 on), for token_mean and for sequence_mean (which feeds Megatron's per-token path N)."""
+    aux = {**MOE, "moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.1}
+    with_aux = OracleCase(model_kwargs=aux, per_token=per_token)
+    plain = OracleCase(model_kwargs=MOE, per_token=per_token)
+    modes = ("token_mean", "sequence_mean", "off")
     grads = {}
     for name, case in (("aux", with_aux), ("plain", plain)):
-        checks = check_layout(dist_pool, case, Layout(ep=2), 2, 3, ("token_mean", "off"))
-        for mode in ("token_mean", "off"):
+        checks = check_layout(dist_pool, case, Layout(ep=2), 2, 3, modes)
+        for mode in modes:
             grads[name, mode] = checks[mode]["result"]["grads"]
         # The reported loss is the main loss only.
         assert checks["token_mean"]["loss"] == pytest.approx(checks["token_mean"]["ref_loss"])
@@ -66,11 +71,12 @@ def test_moe_aux_and_z_loss_keep_stock_megatron_semantics(dist_pool):
     def diff(mode):
         return {k: grads["aux", mode][k] - grads["plain", mode][k] for k in grads["aux", mode]}
 
-    stock_aux, plugin_aux = diff("off"), diff("token_mean")
+    stock_aux = diff("off")
     aux_norm = torch.cat([g.flatten() for g in stock_aux.values()]).norm()
     assert aux_norm > 1e-3, "the aux losses must reach the gradient for this test to mean much"
-    err = relative_error(plugin_aux, stock_aux)
-    assert err <= 1e-4, f"aux/z-loss gradient differs from stock Megatron: {err}"
+    for mode in ("token_mean", "sequence_mean"):
+        err = relative_error(diff(mode), stock_aux)
+        assert err <= 1e-4, f"{mode}: aux/z-loss gradient differs from stock Megatron: {err}"
 
 
 # ------------------------------------------------------------------------ packed sequences

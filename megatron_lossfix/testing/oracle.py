@@ -340,6 +340,14 @@ def reference_grads(
         loss = weighted_sum(output, weights)
     else:
         loss = _rl_loss(case, batch, weights, output)[0]
+    if getattr(config, "num_moe_experts", None):
+        # The aux losses' backward reads a class-wide scale that Megatron's schedule sets; set
+        # what it would set for one rank and one micro-batch. Left unset, the backward would
+        # store a 0-dim 1.0 there, which a later schedule call in this process cannot copy its
+        # [1]-shaped scale into (and a scale left by an earlier schedule call would be used).
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=loss.device))
     loss.backward()
     model.finish_grad_sync()
     result = {"grads": gather_full_grads(chunks), "loss": float(loss)}
