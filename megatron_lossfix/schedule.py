@@ -164,6 +164,29 @@ _VECTOR_LEN = _KIND0 + len(_KINDS)
 _PREFIX = "megatron_lossfix refused this step: "
 
 
+def _refuse_hybrid_cp(model: Any) -> None:
+    """Megatron 0.19's hybrid context parallelism calls forward_step once per sub-sample, so
+    neither the pre-pass (one batch per micro-batch) nor the x num_microbatches compensation
+    holds there. The setting is the same on every rank: each raises here, before any
+    collective."""
+    chunk = model[0] if isinstance(model, list) and model else model
+    config = getattr(chunk, "config", None)
+    if config is None:
+        try:
+            from megatron.core.utils import get_model_config
+
+            config = get_model_config(chunk)
+        except Exception:  # noqa: BLE001 - no config to read: not hybrid CP
+            return
+    if getattr(config, "hybrid_context_parallel", False):
+        raise StepRefused(
+            f"{_PREFIX}hybrid context parallelism (hybrid_context_parallel=True) runs "
+            "forward_step once per sub-sample, which the plugin's modes do not cover; use "
+            "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
+            "per-token mode is the exact token mean)"
+        )
+
+
 class _LocalProblem(Exception):
     """This rank's reason to refuse the step (raised and caught inside the plugin)."""
 
@@ -406,6 +429,7 @@ class LossFixSchedule:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         cfg = self.config
         self.last_step = None  # a refused step leaves no metrics behind
+        _refuse_hybrid_cp(model)
         if kwargs.get("pg_collection") is None and self._pg_collection is not None:
             kwargs["pg_collection"] = self._pg_collection
         groups = resolve_groups(kwargs.get("pg_collection"))

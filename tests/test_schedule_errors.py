@@ -269,3 +269,19 @@ def test_flag_combinations_are_refused(argv, match):
     args = add_lossfix_args(argparse.ArgumentParser()).parse_args(argv)
     with pytest.raises(ValueError, match=match):
         from_args(args)
+
+
+def test_hybrid_context_parallel_is_refused_before_any_collective():
+    """Megatron 0.19's hybrid CP calls forward_step per sub-sample: a plugin mode refuses it on
+    every rank alike (the setting is the same everywhere), naming what to use instead. No
+    process group exists here, so reaching any collective would fail differently."""
+    from types import SimpleNamespace
+
+    from megatron_lossfix import LossFixSchedule, StepRefused
+
+    model = SimpleNamespace(config=SimpleNamespace(hybrid_context_parallel=True))
+    schedule = LossFixSchedule(LossFixConfig(reduction="sequence_mean"))
+    with pytest.raises(StepRefused, match="hybrid_context_parallel=True.*--loss-reduction off"):
+        schedule(
+            forward_step_func=None, data_iterator=iter([]), model=[model], num_microbatches=2
+        )
