@@ -261,7 +261,8 @@ def test_two_layouts_agree_as_stated(readme_runs):
 
 def test_grpo_reward_is_as_stated(readme_runs):
     stated = re.search(
-        r"rises\s+from\s+([\d.]+)\s+at\s+the\s+first\s+iteration\s+to\s+([\d.]+)\s+by\s+the\s+150th",
+        r"rises\s+from\s+([\d.]+)\s+at\s+the\s+first\s+iteration\s+to\s+([\d.]+)\s+by\s+the\s+"
+        r"(\d+)th",
         README,
     )
     assert stated, "the RL section no longer states its reward figures"
@@ -270,9 +271,13 @@ def test_grpo_reward_is_as_stated(readme_runs):
         for line in (readme_runs["copy"] / "out" / "grpo.jsonl").read_text().splitlines()
     ]
     assert len(records) == 150
-    first, last = records[0]["reward_mean"], records[-1]["reward_mean"]
-    assert abs(first - float(stated[1])) <= 0.02 and last >= float(stated[2]) - 0.05, (
-        f"README says {stated[1]} -> {stated[2]}; measured {first:.3f} -> {last:.3f}"
+    by = int(stated[3])
+    first, best = records[0]["reward_mean"], max(r["reward_mean"] for r in records[:by])
+    last = records[-1]["reward_mean"]
+    target = float(stated[2]) - 0.05
+    assert abs(first - float(stated[1])) <= 0.02 and best >= target and last >= target, (
+        f"README says {stated[1]} -> {stated[2]} by iteration {by}; measured {first:.3f}, "
+        f"best {best:.3f} by then, {last:.3f} at the end"
     )
 
 

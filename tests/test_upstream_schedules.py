@@ -6,7 +6,8 @@ tags >= 0.19 Megatron-LM's training dependencies (its ``test_utilities`` imports
 ``tests/unit_tests/pipeline_parallel/test_schedules.py`` under torchrun with 8 ranks on gloo
 through :mod:`megatron_lossfix.testing.upstream_schedules`, once stock and once with
 ``LossFixSchedule(LossFixConfig(reduction="off"), forward_backward_func=<stock>)`` in place of
-each of the three schedules; every test must end the same way on every rank in both runs.
+each of the three schedules; every test must end the same way on every rank in both runs (the
+custom-process-group tests left out on gloo, see ``DESELECT``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,17 @@ pytestmark = [
 ]
 
 
-def _run(swap: str, port: int) -> dict[str, set[str]]:
-    """``test id -> outcomes seen on the 8 ranks`` for one torchrun of the upstream file."""
+_PORTS = iter(range(29531, 29600))
+#: Left out: the custom-process-group tests build their groups with ``dist.new_group`` called
+#: with a different rank list on each rank, which NCCL tolerates and gloo does not: on gloo
+#: they fail (core_v0.16.1) or deadlock until the group timeout now and then (core_v0.19.0),
+#: stock exactly as swapped, and a deadlock takes the tests after it down too.
+DESELECT = "not custom_pgs"
+
+
+def _run(swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
+    """``test id -> outcomes seen on the 8 ranks`` for one torchrun of the upstream file (or
+    of one of its tests)."""
     env = {
         **os.environ,
         "LOSSFIX_SWAP": swap,
@@ -43,23 +53,40 @@ def _run(swap: str, port: int) -> dict[str, set[str]]:
     }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
-        "--master-port", str(port), "-m", "pytest", "-q", "-rA", "-o", "addopts=",
+        "--master-port", str(next(_PORTS)), "-m", "pytest", "-q", "-rA", "-o", "addopts=",
         "--noconftest", "-p", "no:cacheprovider",
-        "-p", "megatron_lossfix.testing.upstream_schedules", TEST_FILE,
-    ]
+        "-p", "megatron_lossfix.testing.upstream_schedules", "-k", DESELECT, test,
+    ]  # fmt: skip
     out = subprocess.run(
         cmd, cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=1800
     ).stdout
     outcomes: dict[str, set[str]] = {}
-    for kind, test in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", out, re.M):
-        outcomes.setdefault(test, set()).add(kind)
+    for kind, name in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", out, re.M):
+        outcomes.setdefault(name, set()).add(kind)
     return outcomes
+
+
+def _differing(stock: dict, swapped: dict) -> list[str]:
+    return sorted(t for t in stock.keys() | swapped.keys() if stock.get(t) != swapped.get(t))
 
 
 def test_megatron_schedule_tests_pass_alike_stock_and_swapped():
     if not (Path(CHECKOUT) / TEST_FILE).exists():
         pytest.skip(f"{TEST_FILE} not in {CHECKOUT}")
-    stock = _run("stock", 29531)
-    swapped = _run("off", 29532)
+    stock, swapped = _run("stock"), _run("off")
     assert any(o == {"PASSED"} for o in stock.values()), f"stock passed nothing: {stock}"
+    # Should a gloo deadlock still strike (see DESELECT), the test that hit the timeout leaves
+    # the tests after it failing too: a test whose outcome differs is run again alone, both ways.
+    retried = []
+    for _ in range(2):
+        differ = _differing(stock, swapped)
+        for test in differ:
+            stock.update(_run("stock", test))
+            swapped.update(_run("off", test))
+        retried += differ
     assert swapped == stock, f"swapped {swapped} != stock {stock}"
+    passed = sum(o == {"PASSED"} for o in stock.values())
+    others = {t.split("::")[-1]: sorted(o) for t, o in stock.items() if o != {"PASSED"}}
+    print(f"{Path(CHECKOUT).name}: {passed} of {len(stock)} passed on all 8 ranks, both runs; "
+          f"the others, alike both runs: {others or 'none'}; run again alone: "
+          f"{retried or 'none'}")  # fmt: skip
