@@ -803,9 +803,10 @@ class LossFixSchedule:
                         return outputs
                     return self._convert(outputs, k, scale, state)
                 except Exception as exc:  # noqa: BLE001 - every rank hears of it after the step
-                    state.problem = _LocalProblem(
-                        _LOSS_FUNC, f"micro-batch {k}: {type(exc).__name__}: {exc}"
-                    )
+                    message = f"{type(exc).__name__}: {exc}"
+                    if f"micro-batch {k}" not in message:
+                        message = f"micro-batch {k}: {message}"
+                    state.problem = _LocalProblem(_LOSS_FUNC, message)
                     state.problem.__cause__ = exc
                     return self._zero_loss(output_tensor, state)
 

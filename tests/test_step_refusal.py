@@ -47,7 +47,8 @@ CASES = {
     # Found inside Megatron's schedule: the loss stage ends the schedule with a zero loss, and
     # the agreement after the step tells every rank.
     "int-loss": (
-        "micro-batch 0: ValueError: loss_func must return a one-element loss tensor first, got int",
+        "ValueError: loss_func must return a one-element loss tensor first, got int "
+        "(micro-batch 0)",
         "the loss function failed or returned what the plugin cannot use",
     ),
 }
