@@ -120,4 +120,3 @@ def null_tokenizer_eod(vocab_size: int) -> int:
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     return int(NullTokenizer(vocab_size).eod)
-

@@ -126,9 +126,7 @@ def bad_mask_values(masks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([((m != 0) & (m != 1)).any() for m in masks])
 
 
-def _check_masks(
-    loss_masks: Sequence[torch.Tensor], *, check_values: bool
-) -> list[torch.Tensor]:
+def _check_masks(loss_masks: Sequence[torch.Tensor], *, check_values: bool) -> list[torch.Tensor]:
     """Validate masks and return them as float32; one device sync when checking values."""
     masks = _float_masks(loss_masks)
     if check_values:

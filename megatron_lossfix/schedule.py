@@ -422,8 +422,10 @@ class LossFixSchedule:
         num_microbatches: int,
         kwargs: dict,
     ) -> Any:
-        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or (
-            num_microbatches < 1
+        if (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or (num_microbatches < 1)
         ):
             # The same argument on every rank: every rank raises here, before any collective.
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -728,8 +730,10 @@ class LossFixSchedule:
         # Rollout data (advantages, old and reference log-probs) is where NaN usually enters
         # RL; naming the tensor and micro-batch beats a NaN loss three steps later.
         for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(
-                torch.isfinite(value).all()
+            if (
+                isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and not bool(torch.isfinite(value).all())
             ):
                 raise FloatingPointError(
                     f"micro-batch {k}: {key!r} holds NaN or Inf (check_finite is on)"
@@ -747,8 +751,10 @@ class LossFixSchedule:
                 "packed sequences need whole sequences from the data iterator: slice them for "
                 "context parallelism in forward_step (data_is_cp_sharded=False)"
             )
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or (
-            cu_seqlens.numel() < 2
+        if (
+            not isinstance(cu_seqlens, torch.Tensor)
+            or cu_seqlens.dim() != 1
+            or (cu_seqlens.numel() < 2)
         ):
             raise ValueError(
                 f"micro-batch {k}: {self.config.cu_seqlens_key!r} must be a 1-D tensor of "
@@ -822,8 +828,11 @@ class LossFixSchedule:
         if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
             raise ValueError(
                 "loss_func must return (loss, num_tokens, report) or (loss, report); got "
-                + (f"a tuple of length {len(outputs)}" if isinstance(outputs, (tuple, list))
-                   else type(outputs).__name__)
+                + (
+                    f"a tuple of length {len(outputs)}"
+                    if isinstance(outputs, (tuple, list))
+                    else type(outputs).__name__
+                )
             )
         loss, report = outputs[0], outputs[-1]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -870,7 +879,7 @@ class LossFixSchedule:
             raise FloatingPointError(
                 f"loss of micro-batch {k} is not finite ({loss.item()}); check_finite is on"
             )
-        for key, value in (report.items() if isinstance(report, Mapping) else ()):
+        for key, value in report.items() if isinstance(report, Mapping) else ():
             # Extremes (ratio_min/_max) may legitimately be +-inf on a zero-token micro-batch.
             if (
                 isinstance(value, torch.Tensor)

@@ -241,6 +241,7 @@ def _step_counts(
         with count_collectives() as counter:
             step(variant)
         counts[variant] = dict(counter)
+
     def ranks(group: Any) -> str:
         return ",".join(map(str, dist.get_process_group_ranks(group)))
 

@@ -168,9 +168,7 @@ def test_gradient_clipping_sees_the_normalized_gradient(dist_pool, layout, world
     """One optimizer step with clipping active: grad norm and weight updates match the
     reference, so the clip decision does not depend on the layout. (Adam with a huge epsilon
     makes the update proportional to the clipped gradient.)"""
-    case = OracleCase(
-        model_kwargs=kwargs, optimizer="adam", clip_grad=0.05, lr=1e5, adam_eps=1e6
-    )
+    case = OracleCase(model_kwargs=kwargs, optimizer="adam", clip_grad=0.05, lr=1e5, adam_eps=1e6)
     checks = check_layout(dist_pool, case, layout, world, m, ("token_mean", "sequence_mean", "off"))
     for mode in ("token_mean", "sequence_mean"):
         got, ref = checks[mode]["result"], checks[mode]["reference"]

@@ -64,9 +64,11 @@ def test_gradient_matches_reference(dist_pool, references, name, layout, world, 
     results = dist_pool.run(layout_grads, world, layout, CASE, MODES, m)[0]
     errors = {}
     for mode in MODES:
-        key = ("token_mean_legacy", _plan(world, layout, m)) if (
-            mode == "token_mean_legacy"
-        ) else mode
+        key = (
+            ("token_mean_legacy", _plan(world, layout, m))
+            if (mode == "token_mean_legacy")
+            else mode
+        )
         errors[mode] = relative_error(results[mode]["grads"], references[key]["grads"])
         if mode != "off":
             # The reported loss is L of DESIGN §2, the same global value under every layout.

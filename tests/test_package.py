@@ -23,8 +23,7 @@ def test_loss_weights_signature_is_the_contract():
 
 def test_importing_the_package_does_not_import_megatron():
     code = (
-        "import sys, megatron_lossfix; "
-        "print(any(m.startswith('megatron.') for m in sys.modules))"
+        "import sys, megatron_lossfix; print(any(m.startswith('megatron.') for m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -35,3 +34,21 @@ def test_contract_names_are_top_level():
     for name in ("LossFixConfig", "LossFixSchedule", "enable_cpu_megatron", "StepRefused"):
         assert name in megatron_lossfix.__all__, name
     assert megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.cpu_compat"
+
+
+def test_ruff_clean():
+    """Lint and format as ruff.toml says (ruff is pinned in the test extras so that every
+    environment judges alike)."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    root = Path(__file__).resolve().parents[1]
+    for args in (["check", "."], ["format", "--check", "."]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ruff", *args], cwd=root, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, f"ruff {' '.join(args)}:\n{proc.stdout}{proc.stderr}"

@@ -26,10 +26,12 @@ def _forward_step(loss_variant, data_iterator, model):
     if loss_variant == "vector-loss":
         return output, lambda out: ((out * weights).sum(dim=1), torch.tensor(1), {})
     if loss_variant == "nan-on-second":
+
         def loss(out):
             value, n, report = weighted_loss(weights, out)
             is_second = float(batch["tokens"][0, 0] == SECOND_TOKEN)
             return value + (math.nan if is_second else 0.0), n, report
+
         return output, loss
     return output, partial(weighted_loss, weights)
 
@@ -125,9 +127,7 @@ def _negative_mask_on_rank0(rank, mbs, m):
 )
 def test_bad_mask_on_one_rank_stops_every_rank(dist_pool, mutate, bad_rank, k, per_token):
     """Per-token token_mean (Megatron divides) is checked before the step like every mode."""
-    results = _run(
-        dist_pool, ("token_mean", "token_mean"), mutate=mutate, per_token=per_token
-    )
+    results = _run(dist_pool, ("token_mean", "token_mean"), mutate=mutate, per_token=per_token)
     kind, message = results[bad_rank]
     assert kind == REFUSED and f"micro-batch {k} must hold only 0 and 1" in message, results
     kind, message = results[1 - bad_rank]
@@ -199,9 +199,7 @@ def test_check_finite_names_the_microbatch(dist_pool):
     )
     assert results[0][0] == "FloatingPointError" and "micro-batch 1" in results[0][1], results
     # Without the check the NaN flows on silently (the flag exists because checking syncs).
-    assert _run(dist_pool, ("token_mean",), world=1, loss_variant="nan-on-second") == [
-        ("ok", None)
-    ]
+    assert _run(dist_pool, ("token_mean",), world=1, loss_variant="nan-on-second") == [("ok", None)]
 
 
 def _nan_advantages_in_microbatch_2(rank, mbs, m):
@@ -282,6 +280,4 @@ def test_hybrid_context_parallel_is_refused_before_any_collective():
     model = SimpleNamespace(config=SimpleNamespace(hybrid_context_parallel=True))
     schedule = LossFixSchedule(LossFixConfig(reduction="sequence_mean"))
     with pytest.raises(StepRefused, match="hybrid_context_parallel=True.*--loss-reduction off"):
-        schedule(
-            forward_step_func=None, data_iterator=iter([]), model=[model], num_microbatches=2
-        )
+        schedule(forward_step_func=None, data_iterator=iter([]), model=[model], num_microbatches=2)

@@ -60,9 +60,10 @@ def test_refusal_on_the_loss_stage_reaches_every_rank(dist_pool, case):
     own, others = CASES[case]
     for rank, (kind, message, seconds) in enumerate(results):
         assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s: {results}"
-        assert message is not None and message.startswith(
-            "megatron_lossfix refused this step: "
-        ), (rank, results)
+        assert message is not None and message.startswith("megatron_lossfix refused this step: "), (
+            rank,
+            results,
+        )
         if rank == 3:
             assert kind == "StepRefused" and own in message, results
         else:

@@ -83,8 +83,10 @@ def _scenario(name: str, variant: str) -> dict:
     )
     data = [iterator() for _ in chunks] if vpp else iterator()
     stock = get_forward_backward_func()
-    func = stock if variant == "stock" else LossFixSchedule(
-        LossFixConfig(reduction=variant), forward_backward_func=stock
+    func = (
+        stock
+        if variant == "stock"
+        else LossFixSchedule(LossFixConfig(reduction=variant), forward_backward_func=stock)
     )
     with count_collectives() as counter:
         try:

@@ -26,9 +26,7 @@ TEST_FILE = "tests/unit_tests/pipeline_parallel/test_schedules.py"
 
 pytestmark = [
     pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_PATH (a Megatron-LM checkout) not set"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("pytest_mock") is None, reason="needs pytest-mock"
-    ),
+    pytest.mark.skipif(importlib.util.find_spec("pytest_mock") is None, reason="needs pytest-mock"),
 ]
 
 

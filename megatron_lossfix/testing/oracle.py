@@ -374,7 +374,11 @@ def _references(
 
 
 def check_layout(
-    pool: Any, case: OracleCase, layout: Any, world: int, num_microbatches: int,
+    pool: Any,
+    case: OracleCase,
+    layout: Any,
+    world: int,
+    num_microbatches: int,
     modes: Sequence[str],
 ) -> dict[str, dict[str, Any]]:
     """Run ``layout`` and its references in ``pool``; per mode return the gradient's relative

@@ -104,8 +104,9 @@ def _layer_spec(num_experts: int | None, no_attention: bool, transformer_impl: s
             num_experts=num_experts, moe_grouped_gemm=False
         )
     if transformer_impl != "local":
-        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got "
-                         f"{transformer_impl!r}")
+        raise ValueError(
+            f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}"
+        )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if no_attention:
         # The attention block becomes x -> x (no norm, no attention, no residual add): tokens
