@@ -32,9 +32,9 @@ pytestmark = [
 
 _PORTS = iter(range(29531, 29600))
 #: Left out: the custom-process-group tests build their groups with ``dist.new_group`` called
-#: with a different rank list on each rank, which NCCL tolerates and gloo does not: on gloo
-#: they fail (core_v0.16.1) or deadlock until the group timeout now and then (core_v0.19.0),
-#: stock exactly as swapped, and a deadlock takes the tests after it down too.
+#: with a different rank list on each rank, which NCCL tolerates; on gloo that group creation
+#: deadlocks until the group timeout now and then, stock and swapped alike, before any schedule
+#: runs (seen at both tags), and a deadlock takes the tests after it down too.
 DESELECT = "not custom_pgs"
 
 
