@@ -164,20 +164,17 @@ _VECTOR_LEN = _KIND0 + len(_KINDS)
 _PREFIX = "megatron_lossfix refused this step: "
 
 
-def _refuse_hybrid_cp(model: Any) -> None:
+def _refuse_hybrid_cp(chunk: Any) -> None:
     """Megatron 0.19's hybrid context parallelism calls forward_step once per sub-sample, so
     neither the pre-pass (one batch per micro-batch) nor the x num_microbatches compensation
     holds there. The setting is the same on every rank: each raises here, before any
     collective."""
-    chunk = model[0] if isinstance(model, list) and model else model
-    config = getattr(chunk, "config", None)
-    if config is None:
-        try:
-            from megatron.core.utils import get_model_config
+    try:
+        from megatron.core.utils import get_model_config
 
-            config = get_model_config(chunk)
-        except Exception:  # noqa: BLE001 - no config to read: not hybrid CP
-            return
+        config = get_model_config(chunk)
+    except Exception:  # noqa: BLE001 - no config to read: not hybrid CP
+        return
     if getattr(config, "hybrid_context_parallel", False):
         raise StepRefused(
             f"{_PREFIX}hybrid context parallelism (hybrid_context_parallel=True) runs "
@@ -185,6 +182,16 @@ def _refuse_hybrid_cp(model: Any) -> None:
             "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
             "per-token mode is the exact token mean)"
         )
+
+
+def _agreement_vector(
+    problem: _LocalProblem | None, rank: int, device: torch.device
+) -> torch.Tensor:
+    """A zero agreement vector carrying this rank's problem, if any."""
+    vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=device)
+    if problem is not None:
+        vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
+    return vec
 
 
 class _LocalProblem(Exception):
@@ -431,11 +438,11 @@ class LossFixSchedule:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
         cfg = self.config
         self.last_step = None  # a refused step leaves no metrics behind
-        _refuse_hybrid_cp(model)
+        chunks = model if isinstance(model, list) else [model]
+        _refuse_hybrid_cp(chunks[0])
         if kwargs.get("pg_collection") is None and self._pg_collection is not None:
             kwargs["pg_collection"] = self._pg_collection
         groups = resolve_groups(kwargs.get("pg_collection"))
-        chunks = model if isinstance(model, list) else [model]
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
 
         problem: _LocalProblem | None = None
@@ -575,10 +582,8 @@ class LossFixSchedule:
         device = _default_device()
         fp = self._fingerprint(per_token)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=device)
+        vec = _agreement_vector(problem, rank, device)
         vec[_FP], vec[_FP2] = fp, fp * fp
-        if problem is not None:
-            vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
 
         local_counts = bad = None
         # CP shards are counted with one more all-reduce over CP, of a size only healthy ranks
@@ -634,29 +639,17 @@ class LossFixSchedule:
         every rank; the step's gradients are not to be used. A single-rank step needs none.
         """
         problem = state.problem
-        if groups.dp_cp_size <= 1 and groups.pp_size <= 1:
-            if problem is not None:
-                self.last_step = None
-                raise StepRefused(f"{_PREFIX}{problem}") from problem.__cause__
-            return
-        vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=_default_device())
-        if problem is not None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
+        if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
+            return  # nobody to tell, nothing to tell: no device sync
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        vec = _agreement_vector(problem, rank, _default_device())
         if groups.is_last_stage:
             vec = self._reduce(vec, groups.dp_cp)
-        if groups.pp_size > 1:
-            vec = self._reduce(vec, groups.pp)
-        values = vec.tolist()
+        vec = self._reduce(vec, groups.pp)
+        values = vec.tolist()  # fingerprints stay 0: no disagreement to find here
         if values[_PROBLEMS] > 0:
             self.last_step = None
-            self._verdict(
-                [0.0 if i in (_FP, _FP2) else v for i, v in enumerate(values)],
-                groups,
-                bool(state.per_token),
-                problem,
-                None,
-            )
+            self._verdict(values, groups, bool(state.per_token), problem, None)
 
     @staticmethod
     def _count(

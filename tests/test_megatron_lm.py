@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_examples import max_rel_diff
 
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_lm import (
@@ -237,11 +238,6 @@ class _Runs:
         return self.results[key]
 
 
-def _max_rel_diff(ref: list[dict], got: list[dict], keys: tuple[str, ...]) -> float:
-    pairs = zip(ref, got, strict=True)
-    return max(abs(b[k] - a[k]) / abs(a[k]) for a, b in pairs for k in keys)
-
-
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
     return _Runs(tmp_path_factory.mktemp("megatron-lm-runs"))
@@ -263,11 +259,11 @@ def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str,
         assert b["lm_loss"] == pytest.approx(b["loss"], rel=REL)  # Megatron-LM logs L itself
         assert b["loss"] == pytest.approx(a["loss"], rel=REL)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=REL)
-    fix_diff = _max_rel_diff(reference, fixed, ("loss", "grad_norm"))
+    fix_diff = max(max_rel_diff(reference, fixed, k) for k in ("loss", "grad_norm"))
     # Stock (no flag): the mean of per-micro-batch means moves the gradient with the layout. The
     # log prints the grad norm with 3 decimals: far more than that apart.
     reference, stock = lm_runs.get(checkout, "mb1", "stock"), lm_runs.get(checkout, layout, "stock")
     assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)
-    stock_diff = _max_rel_diff(reference, stock, ("lm_loss", "grad_norm"))
+    stock_diff = max(max_rel_diff(reference, stock, k) for k in ("lm_loss", "grad_norm"))
     print(f"{Path(checkout).name} {layout}: token_mean max rel diff {fix_diff:.1e}, "
           f"stock {stock_diff:.1e}")  # fmt: skip
