@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.megatron_lm import LOSS_KEY, MegatronLMLossFix, _MasksToDevice
+from megatron_lossfix.megatron_lm import LOSS_KEY, MasksToDevice, MegatronLMLossFix
 from megatron_lossfix.schedule import StepGroups
 
 __all__ = [
@@ -137,7 +137,7 @@ class BridgeLossFix(MegatronLMLossFix):
         key = self.config.loss_mask_key
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
         if iterators[-1] is not None:
-            iterators[-1] = _MasksToDevice(_LossStageBatches(iterators[-1]), key, None)
+            iterators[-1] = MasksToDevice(_LossStageBatches(iterators[-1]), key, None)
         return iterators if isinstance(data_iterator, list) else iterators[0]
 
     def _wrap_forward_step(

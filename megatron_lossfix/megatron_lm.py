@@ -42,6 +42,7 @@ from megatron_lossfix.schedule import LossFixSchedule, StepGroups, resolve_group
 
 __all__ = [
     "LOSS_KEY",
+    "MasksToDevice",
     "MegatronLMLossFix",
     "add_args_provider",
     "enable_cpu_megatron_lm",
@@ -86,7 +87,7 @@ def _current_device() -> torch.device:
     return torch.device("cpu")
 
 
-class _MasksToDevice:
+class MasksToDevice:
     """The loss stage's data iterator, with each batch's loss mask moved to the device (and, when
     tensor parallelism is on, broadcast to the other TP ranks, which have no data iterator)."""
 
@@ -246,7 +247,7 @@ class MegatronLMLossFix:
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
         if tp_rank == 0:
             if iterators[-1] is not None:
-                iterators[-1] = _MasksToDevice(iterators[-1], key, tp_group)
+                iterators[-1] = MasksToDevice(iterators[-1], key, tp_group)
         else:
             iterators[-1] = _ReceivedMasks(key, tp_group)
         return iterators if isinstance(data_iterator, list) else iterators[0]

@@ -24,8 +24,11 @@ __all__ = [
     "REDUCTIONS",
     "GLOBAL_COUNT_MODES",
     "StepCounts",
+    "bad_mask_message",
+    "bad_mask_values",
     "check_reduction",
     "count_tokens",
+    "float_masks",
     "loss_weights",
     "weights_from_counts",
 ]
@@ -85,7 +88,7 @@ def check_reduction(reduction: str, norm_constant: float | None) -> None:
             raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
 
 
-def _float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Check the masks' structure (no device sync) and return them as float32."""
     if isinstance(loss_masks, torch.Tensor) or not isinstance(loss_masks, Sequence):
         raise ValueError(
@@ -128,15 +131,16 @@ def bad_mask_values(masks: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _check_masks(loss_masks: Sequence[torch.Tensor], *, check_values: bool) -> list[torch.Tensor]:
     """Validate masks and return them as float32; one device sync when checking values."""
-    masks = _float_masks(loss_masks)
+    masks = float_masks(loss_masks)
     if check_values:
         bad = bad_mask_values(masks)
         if bool(bad.any()):
-            raise ValueError(_bad_mask_message(int(bad.nonzero()[0, 0])))
+            raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
     return masks
 
 
-def _bad_mask_message(k: int) -> str:
+def bad_mask_message(k: int) -> str:
+    """Why micro-batch ``k``'s mask was refused (the schedule raises the same words)."""
     return (
         f"loss mask of micro-batch {k} must hold only 0 and 1 (bool or 0/1 float); "
         "found other values (negative, fractional, NaN or > 1)"

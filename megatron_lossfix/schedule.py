@@ -58,10 +58,10 @@ from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.megatron_compat import schedule_for, warn_if_untested
 from megatron_lossfix.reduction import (
     StepCounts,
-    _bad_mask_message,
-    _float_masks,
+    bad_mask_message,
     bad_mask_values,
     count_tokens,
+    float_masks,
     weights_from_counts,
 )
 
@@ -160,7 +160,7 @@ _KINDS: tuple[str, ...] = (
 # Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
 # (global rank + 1), one count per kind]. float64: exact for counts below 2**53.
 _N, _S, _FP, _FP2, _PROBLEMS, _RANK_SUM, _KIND0 = range(7)
-_VECTOR_LEN = _KIND0 + len(_KINDS)
+VECTOR_LEN = _KIND0 + len(_KINDS)
 _PREFIX = "megatron_lossfix refused this step: "
 
 
@@ -188,7 +188,7 @@ def _agreement_vector(
     problem: _LocalProblem | None, rank: int, device: torch.device
 ) -> torch.Tensor:
     """A zero agreement vector carrying this rank's problem, if any."""
-    vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64, device=device)
+    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64, device=device)
     if problem is not None:
         vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
     return vec
@@ -392,7 +392,7 @@ class LossFixSchedule:
         try:
             if not isinstance(mask, torch.Tensor):
                 raise ValueError("no loss mask")
-            mask = _float_masks([mask])[0]
+            mask = float_masks([mask])[0]
             segments = self._segments_of(batch, mask, k)
         except ValueError:
             state.unmasked += 1  # stock has no requirement on the batch: recorded, never refused
@@ -549,7 +549,7 @@ class LossFixSchedule:
             except ValueError as exc:
                 raise _LocalProblem(_NOT_DICT, str(exc)) from None
         try:
-            masks = _float_masks(raw_masks)
+            masks = float_masks(raw_masks)
             segments = [self._segments_of(b, masks[k], k) for k, b in enumerate(batches)]
         except ValueError as exc:
             raise _LocalProblem(_MALFORMED, str(exc)) from None
@@ -693,7 +693,7 @@ class LossFixSchedule:
         if problem is not None:
             raise StepRefused(f"{_PREFIX}{problem}") from problem.__cause__
         if bad is not None and bool(bad.any()):
-            raise StepRefused(_PREFIX + _bad_mask_message(int(bad.nonzero()[0, 0])))
+            raise StepRefused(_PREFIX + bad_mask_message(int(bad.nonzero()[0, 0])))
         kinds = [_KINDS[i] for i in range(len(_KINDS)) if values[_KIND0 + i] > 0]
         count = int(values[_PROBLEMS])
         who = f"global rank {int(values[_RANK_SUM]) - 1}" if count == 1 else f"{count} ranks"

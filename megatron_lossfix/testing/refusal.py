@@ -162,7 +162,7 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lossfix import LossFixConfig, LossFixSchedule
-    from megatron_lossfix.schedule import _VECTOR_LEN
+    from megatron_lossfix.schedule import VECTOR_LEN
     from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
     from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
 
@@ -170,7 +170,7 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     oracle = OracleCase(global_batch_size=8, seq_length=16)
     chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
     pp_group = ps.get_pipeline_model_parallel_group()
-    vec = torch.zeros(_VECTOR_LEN, dtype=torch.float64)
+    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64)
     times: list[float] = []
     dp_times: list[float] = []
     dp_group = ps.get_data_parallel_group(with_context_parallel=True)
