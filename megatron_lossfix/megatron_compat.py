@@ -7,6 +7,8 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
   layout silently gets the wrong slice. :func:`slice_batch_for_cp` always passes the group.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
   picks the schedule from the pipeline group and model chunks instead of global state.
+* the process groups: :func:`resolve_groups` takes them from the call's
+  ``ProcessGroupCollection`` (newer releases pass one) and falls back to ``parallel_state``.
 * ``NullTokenizer``: its EOD id is ``vocab_size`` up to 0.17 and ``vocab_size - 1`` from 0.18;
   :func:`null_tokenizer_eod` asks the installed class.
 
@@ -21,6 +23,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -29,8 +32,11 @@ from packaging.version import Version
 
 __all__ = [
     "TESTED_RANGE",
+    "StepGroups",
+    "group_size",
     "megatron_core_version",
     "null_tokenizer_eod",
+    "resolve_groups",
     "schedule_for",
     "slice_batch_for_cp",
     "warn_if_untested",
@@ -67,6 +73,61 @@ def warn_if_untested() -> bool:
         stacklevel=2,
     )
     return False
+
+
+@dataclass(frozen=True, slots=True)
+class StepGroups:
+    """The process groups the plugin needs, taken from Megatron's ``ProcessGroupCollection``."""
+
+    dp: dist.ProcessGroup | None
+    """Data-parallel group without context parallelism: sequence and token counts."""
+    cp: dist.ProcessGroup | None
+    """Context-parallel group: per-sequence counts of CP-sharded data."""
+    dp_cp: dist.ProcessGroup | None
+    """Data x context-parallel group: the step's counts, checks and reported loss."""
+    pp: dist.ProcessGroup | None
+    """Pipeline group: finding the last (loss) stage, the verdict and metrics for every stage."""
+
+    @property
+    def dp_size(self) -> int:
+        return group_size(self.dp)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.cp)
+
+    @property
+    def dp_cp_size(self) -> int:
+        return group_size(self.dp_cp)
+
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp is None or dist.get_rank(self.pp) == group_size(self.pp) - 1
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def resolve_groups(pg_collection: Any = None) -> StepGroups:
+    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    def pick(name: str, fallback: Callable[[], Any]) -> Any:
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        return group if group is not None else fallback()
+
+    return StepGroups(
+        dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
+        cp=pick("cp", ps.get_context_parallel_group),
+        dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        pp=pick("pp", ps.get_pipeline_model_parallel_group),
+    )
 
 
 def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) -> dict:

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.losses import weighted_loss
-from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.schedule import LossFixSchedule, StepGroups, resolve_groups
+from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
+from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [
     "LOSS_KEY",

@@ -9,18 +9,49 @@ summed, ``*_max`` maxed, ``*_min`` minimized; other entries are left out.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.reduction import count_tokens
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
+from megatron_lossfix.reduction import StepCounts, count_tokens
 
-if TYPE_CHECKING:
-    from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.schedule import _StepState
+__all__ = ["StepState", "reduce_step_metrics"]
 
-__all__ = ["reduce_step_metrics"]
+
+@dataclass(slots=True)
+class StepState:
+    """What one step recorded on this rank, for metrics (tensors stay on device).
+
+    The schedule fills it in while the step runs; :func:`reduce_step_metrics` reads it."""
+
+    reduction: str
+    per_token: bool | None
+    """``None`` with ``off`` until the metrics need it (stock reads the flag only for 3-tuples)."""
+    passthrough: bool
+    """The loss tuples went to Megatron unchanged (``off``, per-token ``token_mean``)."""
+    groups: StepGroups | None
+    """``None`` with ``off`` until the metrics need them (``off`` resolves nothing per step)."""
+    num_microbatches: int = 0
+    model: Any = None
+    pg_collection: Any = None
+    counts: StepCounts | None = None
+    masks: list[torch.Tensor] = field(default_factory=list)
+    segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
+    contributions: list[torch.Tensor] = field(default_factory=list)
+    local_tokens: list[torch.Tensor] = field(default_factory=list)
+    reports: list[Any] = field(default_factory=list)
+    raw: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    """``off``: each loss tuple's (loss, num_tokens), ``None`` where it was not a tensor."""
+    unmasked: int = 0
+    """``off``: micro-batches read without a usable loss mask."""
+    problem: Exception | None = None
+    """The first error of the loss stage inside Megatron's schedule (a plugin mode): the step
+    ran on with a zero loss there, and every rank of the step refuses it afterwards."""
+
 
 _SUFFIXES = ("_sum", "_count", "_max", "_min")
 
@@ -36,7 +67,7 @@ def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     return stats
 
 
-def _stock_contributions(state: _StepState, sizes: tuple[int, int, int]) -> list:
+def _stock_contributions(state: StepState, sizes: tuple[int, int, int]) -> list:
     """``off``: each micro-batch's share of the loss stock Megatron optimizes (None: unknown)."""
     m, d, cp = sizes
     out = []
@@ -50,7 +81,7 @@ def _stock_contributions(state: _StepState, sizes: tuple[int, int, int]) -> list
     return out
 
 
-def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
+def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
     groups = state.groups
     stock = state.reduction == "off"
     stats = _scalar_stats(state.reports)
@@ -131,14 +162,12 @@ def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
     return {k: float(v) for k, v in out.items()}
 
 
-def reduce_step_metrics(state: _StepState | None, config: LossFixConfig) -> dict[str, float]:
+def reduce_step_metrics(state: StepState | None, config: LossFixConfig) -> dict[str, float]:
     """Global metrics of the last step, returned on every rank of the pipeline group."""
     if state is None:
         raise ValueError("no step has run yet: call the schedule before asking for its metrics")
     if state.groups is None:
         # ``off`` resolved nothing during the step (stock needs nothing of the plugin).
-        from megatron_lossfix.schedule import resolve_groups
-
         state.groups = resolve_groups(state.pg_collection)
     if state.per_token is None:
         from megatron.core.utils import get_model_config

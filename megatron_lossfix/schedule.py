@@ -48,14 +48,20 @@ synchronizes with the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import MODES, LossFixConfig
-from megatron_lossfix.megatron_compat import schedule_for, warn_if_untested
+from megatron_lossfix.megatron_compat import (
+    StepGroups,
+    group_size,
+    resolve_groups,
+    schedule_for,
+    warn_if_untested,
+)
+from megatron_lossfix.metrics import StepState, reduce_step_metrics
 from megatron_lossfix.reduction import (
     StepCounts,
     bad_mask_message,
@@ -66,44 +72,6 @@ from megatron_lossfix.reduction import (
 )
 
 __all__ = ["LossFixSchedule", "StepGroups", "StepRefused", "resolve_groups"]
-
-
-@dataclass(frozen=True, slots=True)
-class StepGroups:
-    """The process groups the plugin needs, taken from Megatron's ``ProcessGroupCollection``."""
-
-    dp: dist.ProcessGroup | None
-    """Data-parallel group without context parallelism: sequence and token counts."""
-    cp: dist.ProcessGroup | None
-    """Context-parallel group: per-sequence counts of CP-sharded data."""
-    dp_cp: dist.ProcessGroup | None
-    """Data x context-parallel group: the step's counts, checks and reported loss."""
-    pp: dist.ProcessGroup | None
-    """Pipeline group: finding the last (loss) stage, the verdict and metrics for every stage."""
-
-    @property
-    def dp_size(self) -> int:
-        return _size(self.dp)
-
-    @property
-    def cp_size(self) -> int:
-        return _size(self.cp)
-
-    @property
-    def dp_cp_size(self) -> int:
-        return _size(self.dp_cp)
-
-    @property
-    def pp_size(self) -> int:
-        return _size(self.pp)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp is None or dist.get_rank(self.pp) == _size(self.pp) - 1
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class StepRefused(ValueError):
@@ -122,22 +90,6 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def resolve_groups(pg_collection: Any = None) -> StepGroups:
-    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state."""
-    from megatron.core import parallel_state as ps
-
-    def pick(name: str, fallback: Callable[[], Any]) -> Any:
-        group = getattr(pg_collection, name, None) if pg_collection is not None else None
-        return group if group is not None else fallback()
-
-    return StepGroups(
-        dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
-        cp=pick("cp", ps.get_context_parallel_group),
-        dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
-        pp=pick("pp", ps.get_pipeline_model_parallel_group),
-    )
 
 
 # ---------------------------------------------------------------------- the step's agreement
@@ -242,35 +194,6 @@ class _Observer:
         return getattr(self._source, name)
 
 
-@dataclass(slots=True)
-class _StepState:
-    """What one step recorded on this rank, for metrics (tensors stay on device)."""
-
-    reduction: str
-    per_token: bool | None
-    """``None`` with ``off`` until the metrics need it (stock reads the flag only for 3-tuples)."""
-    passthrough: bool
-    """The loss tuples went to Megatron unchanged (``off``, per-token ``token_mean``)."""
-    groups: StepGroups | None
-    """``None`` with ``off`` until the metrics need them (``off`` resolves nothing per step)."""
-    num_microbatches: int = 0
-    model: Any = None
-    pg_collection: Any = None
-    counts: StepCounts | None = None
-    masks: list[torch.Tensor] = field(default_factory=list)
-    segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
-    contributions: list[torch.Tensor] = field(default_factory=list)
-    local_tokens: list[torch.Tensor] = field(default_factory=list)
-    reports: list[Any] = field(default_factory=list)
-    raw: list[tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
-    """``off``: each loss tuple's (loss, num_tokens), ``None`` where it was not a tensor."""
-    unmasked: int = 0
-    """``off``: micro-batches read without a usable loss mask."""
-    problem: _LocalProblem | None = None
-    """The first error of the loss stage inside Megatron's schedule (a plugin mode): the step
-    ran on with a zero loss there, and every rank of the step refuses it afterwards."""
-
-
 class LossFixSchedule:
     """Megatron ``forward_backward_func`` with exact, layout-invariant loss normalization.
 
@@ -298,7 +221,7 @@ class LossFixSchedule:
         self.config = config
         self._inner = forward_backward_func
         self._pg_collection = pg_collection
-        self.last_step: _StepState | None = None
+        self.last_step: StepState | None = None
 
     def _inner_func(self, model: Any = None, pp_group: Any = None) -> Callable[..., Any]:
         """The wrapped schedule; without one, Megatron's own. ``off`` asks for it exactly as
@@ -333,7 +256,7 @@ class LossFixSchedule:
         num_microbatches: int,
         kwargs: dict,
     ) -> Any:
-        state = _StepState(
+        state = StepState(
             reduction="off",
             per_token=None,
             passthrough=True,
@@ -376,14 +299,14 @@ class LossFixSchedule:
             **kwargs,
         )
 
-    def _observed(self, source: Any, state: _StepState) -> Any:
+    def _observed(self, source: Any, state: StepState) -> Any:
         # Only real iterators: None, a range or a list go to Megatron as they are, to fail (or
         # not) exactly as they do there.
         if source is None or not hasattr(source, "__next__"):
             return source
         return _Observer(source, lambda batch: self._observe_batch(batch, state))
 
-    def _observe_batch(self, batch: Any, state: _StepState) -> Any:
+    def _observe_batch(self, batch: Any, state: StepState) -> Any:
         cfg = self.config
         k = len(state.masks) + state.unmasked
         mask = batch.get(cfg.loss_mask_key) if isinstance(batch, Mapping) else None
@@ -403,7 +326,7 @@ class LossFixSchedule:
             return batch
         return {**batch, cfg.weights_key: mask}
 
-    def _record_stock(self, outputs: Any, state: _StepState) -> None:
+    def _record_stock(self, outputs: Any, state: StepState) -> None:
         """Remember a loss tuple's numbers for the metrics; never judge it (Megatron does)."""
         loss = num_tokens = report = None
         if isinstance(outputs, (tuple, list)) and len(outputs) in (2, 3):
@@ -468,7 +391,7 @@ class LossFixSchedule:
             problem.__cause__ = exc
 
         passthrough = per_token and cfg.reduction == "token_mean"
-        state = _StepState(
+        state = StepState(
             reduction=cfg.reduction,
             per_token=per_token,
             passthrough=passthrough,
@@ -628,7 +551,7 @@ class LossFixSchedule:
             dp_size=groups.dp_size,
         )
 
-    def _agree_after(self, groups: StepGroups, state: _StepState) -> None:
+    def _agree_after(self, groups: StepGroups, state: StepState) -> None:
         """Refuse the step on every rank if the loss stage hit an error inside the schedule.
 
         Such an error (a loss function that raised or returned no one-element tensor, a
@@ -666,7 +589,7 @@ class LossFixSchedule:
 
     @staticmethod
     def _reduce(vec: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(vec, group=group)
         return vec
 
@@ -771,7 +694,7 @@ class LossFixSchedule:
         step_iter: _StepIterator,
         num_microbatches: int,
         groups: StepGroups,
-        state: _StepState,
+        state: StepState,
     ) -> Callable:
         if state.passthrough:
             scale = None
@@ -814,7 +737,7 @@ class LossFixSchedule:
         return forward_step
 
     def _convert(
-        self, outputs: Any, k: int, scale: torch.Tensor | float | None, state: _StepState
+        self, outputs: Any, k: int, scale: torch.Tensor | float | None, state: StepState
     ) -> tuple:
         """Check one micro-batch's loss tuple and return what Megatron should receive."""
         per_token = state.per_token
@@ -855,7 +778,7 @@ class LossFixSchedule:
         return loss * scale, report
 
     @staticmethod
-    def _zero_loss(output_tensor: Any, state: _StepState) -> tuple:
+    def _zero_loss(output_tensor: Any, state: StepState) -> tuple:
         """A loss of 0 with the output's graph, in the form Megatron expects: the schedule ends
         normally (backward sends zero gradients upstream) and the step is refused after it."""
         if isinstance(output_tensor, torch.Tensor) and output_tensor.is_floating_point():
@@ -894,6 +817,4 @@ class LossFixSchedule:
         a loss was not a one-element tensor, ``num_tokens`` when neither loss masks nor
         3-tuples gave it, ``num_sequences`` without loss masks.
         """
-        from megatron_lossfix.metrics import reduce_step_metrics
-
         return reduce_step_metrics(self.last_step, self.config)
