@@ -4,9 +4,11 @@ Loss functions return plain weighted sums; the weights carry the step's normaliz
 from global token and sequence counts reduced once per step; the schedule hook undoes Megatron's
 internal averaging. The same gradient results under any micro-batch size and parallel layout.
 
-Importing the package does not import Megatron; modules that need it (``lora``, ``selfcheck``,
-``audit``, ``megatron_lm``) are imported by name. ``enable_cpu_megatron`` (the CPU bridge) is
-exported here: its module imports Megatron only when the bridge is switched on.
+Importing the package does not import Megatron: the modules imported here call it lazily, and
+the ones that import it at module level or build on it (``lora``, ``megatron_lm``, ``bridge``,
+``audit``) are imported by name. ``enable_cpu_megatron`` (the CPU bridge) is exported here: its
+module imports Megatron only when the bridge is switched on. The layers and what each module is
+for: docs/design.md §7.
 """
 
 from megatron_lossfix.args import add_lossfix_args, from_args, schedule_from_args

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.selfcheck import with_self_check
 
 __all__ = ["add_lossfix_args", "from_args", "schedule_from_args"]
 
@@ -132,9 +134,6 @@ def schedule_from_args(
     Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.
     """
-    from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.selfcheck import with_self_check
-
     config = from_args(args) or LossFixConfig(reduction="off")
     schedule = LossFixSchedule(config, forward_backward_func, pg_collection=pg_collection)
     return with_self_check(schedule, args)

@@ -27,7 +27,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import megatron_lossfix
 from megatron_lossfix.config import MODES
+from megatron_lossfix.testing.oracle import (
+    OracleCase,
+    layout_grads,
+    microbatch_plan,
+    reference_grads,
+    relative_error,
+)
+from megatron_lossfix.testing.pool import DistPool
+from megatron_lossfix.testing.tiny_gpt import Layout
 
 __all__ = [
     "DEFAULT_LAYOUTS",
@@ -208,8 +218,6 @@ def _environment() -> dict[str, str]:
 
     import torch
 
-    import megatron_lossfix
-
     try:
         mcore = version("megatron-core")
     except PackageNotFoundError:
@@ -265,15 +273,11 @@ class _Progress:
 
 def _layout_worker() -> Callable[..., Any]:
     """The function every pool rank runs for one layout (tests swap it to inject faults)."""
-    from megatron_lossfix.testing.oracle import layout_grads
-
     return layout_grads
 
 
 def _plan(layout: AuditLayout, opts: AuditOptions) -> tuple[tuple[int, ...], ...]:
     """Each DP rank's micro-batch sizes, as the oracle cuts the global batch."""
-    from megatron_lossfix.testing.oracle import microbatch_plan
-
     plan = microbatch_plan(_case(opts, layout), layout.dp, layout.num_microbatches)
     return tuple(tuple(sizes) for sizes in plan)
 
@@ -286,9 +290,7 @@ def _reference_key(mode: str, layout: AuditLayout, opts: AuditOptions) -> tuple:
     return (no_attention, "token_mean" if mode == "off" else mode, None)
 
 
-def _case(opts: AuditOptions, layout: AuditLayout) -> Any:
-    from megatron_lossfix.testing.oracle import OracleCase
-
+def _case(opts: AuditOptions, layout: AuditLayout) -> OracleCase:
     return OracleCase(
         global_batch_size=opts.global_batch_size,
         seq_length=opts.seq_length,
@@ -331,9 +333,6 @@ def run_audit(
     opts: AuditOptions, *, pool: Any = None, progress: IO[str] | None = sys.stderr
 ) -> AuditReport:
     """Run the matrix; ``pool`` is a ``DistPool`` with enough ranks (else one is started)."""
-    from megatron_lossfix.testing.oracle import reference_grads, relative_error
-    from megatron_lossfix.testing.pool import DistPool
-
     _validate(opts)
     started = time.perf_counter()
     report = AuditReport(
@@ -392,9 +391,7 @@ def run_audit(
     return report
 
 
-def _oracle_layout(lay: AuditLayout) -> Any:
-    from megatron_lossfix.testing.tiny_gpt import Layout
-
+def _oracle_layout(lay: AuditLayout) -> Layout:
     return Layout(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, dp=lay.dp)
 
 

@@ -36,9 +36,11 @@ import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
 from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.selfcheck import with_self_check
 
 __all__ = [
     "LOSS_KEY",
@@ -354,8 +356,6 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     )
     if wrapper.metrics_out is not None:
         _record_train_steps(wrapper)
-    from megatron_lossfix.selfcheck import with_self_check
-
     return with_self_check(wrapper, args)
 
 
@@ -443,8 +443,6 @@ def enable_cpu_megatron_lm() -> bool:
     Call it before ``pretrain()``; idempotent.
     """
     global _CPU_LM_ENABLED
-    from megatron_lossfix.cpu_compat import enable_cpu_megatron
-
     if not enable_cpu_megatron():
         return False
     if _CPU_LM_ENABLED:

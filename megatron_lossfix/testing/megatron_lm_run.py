@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_lossfix import patches
+
 __all__ = [
     "RunResult",
     "checkout_null_tokenizer_eod",
@@ -140,8 +142,6 @@ def patched_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
     checkout as it was.
     """
     import shutil
-
-    from megatron_lossfix import patches
 
     source, dest = Path(source), Path(dest)
     dest.mkdir(parents=True)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from megatron_lossfix.cpu_compat import enable_cpu_megatron
+
 # Seconds a worker may take to start (imports on a loaded machine), and extra seconds granted after
 # the first rank failed for the others to hit their collective timeout and report.
 _STARTUP_TIMEOUT_S = 600.0
@@ -181,8 +183,6 @@ def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float, cuda: bo
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
-
-    from megatron_lossfix.cpu_compat import enable_cpu_megatron
 
     if cuda:
         # Ranks beyond the GPU count idle here; `_backend` refuses worlds that would use them.

@@ -19,6 +19,12 @@ import time
 from functools import partial
 from typing import Any
 
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.losses import weighted_loss
+from megatron_lossfix.schedule import VECTOR_LEN, LossFixSchedule
+from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
+from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
+
 CASES = (
     "missing-mask",
     "non-dict",
@@ -66,8 +72,6 @@ class _FailingIterator:
 
 
 def _forward_step(int_loss: bool, data_iterator: Any, model: Any) -> tuple:
-    from megatron_lossfix.losses import weighted_loss
-
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     if int_loss:
@@ -83,10 +87,6 @@ def refusal_case(
 ) -> tuple[str, str | None, float]:
     """Pool worker (world 4): see the module docstring."""
     import torch.distributed as dist
-
-    from megatron_lossfix import LossFixConfig, LossFixSchedule
-    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
-    from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
 
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; choose one of {CASES}")
@@ -160,11 +160,6 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_lossfix import LossFixConfig, LossFixSchedule
-    from megatron_lossfix.schedule import VECTOR_LEN
-    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
-    from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
 
     layout = init_layout(Layout(pp=2))
     oracle = OracleCase(global_batch_size=8, seq_length=16)

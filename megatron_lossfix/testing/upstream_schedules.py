@@ -32,6 +32,10 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.schedule import LossFixSchedule
+
 SCHEDULES = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
@@ -78,8 +82,6 @@ def swap_schedules(mode: str) -> dict[str, Any]:
     """Replace Megatron's three schedules by the plugin wrapping each; returns the originals."""
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    from megatron_lossfix import LossFixConfig, LossFixSchedule
-
     originals = {name: getattr(schedules, name) for name in SCHEDULES}
     for name, stock in originals.items():
         setattr(
@@ -91,8 +93,6 @@ def swap_schedules(mode: str) -> dict[str, Any]:
 
 
 def pytest_configure(config: Any) -> None:
-    from megatron_lossfix import enable_cpu_megatron
-
     mode = os.environ.get(ENV, "stock")
     _use_gloo()
     enable_cpu_megatron()
