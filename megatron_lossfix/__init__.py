@@ -8,7 +8,7 @@ Importing the package does not import Megatron: the modules imported here call i
 the ones that import it at module level or build on it (``lora``, ``megatron_lm``, ``bridge``,
 ``audit``) are imported by name. ``enable_cpu_megatron`` (the CPU bridge) is exported here: its
 module imports Megatron only when the bridge is switched on. The layers and what each module is
-for: docs/design.md §7.
+for: docs/design.md §6.
 """
 
 from megatron_lossfix.args import add_lossfix_args, from_args, schedule_from_args
