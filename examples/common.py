@@ -514,7 +514,7 @@ class ExampleRun:
     ) -> None:
         """Write the iteration's metrics record and print a Megatron-LM style log line (rank 0).
 
-        The record holds DESIGN §3's fields (plus ``num_sequences`` and ``reduction``), then
+        The record holds docs/design.md §5's fields (plus ``num_sequences``, ``reduction``), then
         ``record``; the line ends with ``log_items`` as ``label: value`` pairs."""
         if not self.rank0:
             return

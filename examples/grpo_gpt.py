@@ -23,7 +23,7 @@ Per micro-batch the model returns logits (no labels), ``vocab_parallel_logprobs_
 them into the target log-probs and entropies (TP-correct), and ``rl_objective`` returns the
 weighted sum ``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` with the plugin's weights, so
 every term is normalized once, globally. Each iteration logs one line like Megatron-LM and, with
-``--metrics-out``, appends one JSON object (rank 0): DESIGN §3's fields plus pg_loss, kl
+``--metrics-out``, appends one JSON object (rank 0): docs/design.md §5's fields plus pg_loss, kl
 (null without a reference), entropy (weighted like the loss), clip_frac_low/high and
 dual_clip_frac (per loss token), ratio_mean/min/max and, when sampling, reward_mean,
 reward_std, response_length_mean, rollout_time_s (included in step_time_s) and one decoded

@@ -1,4 +1,4 @@
-"""``python -m megatron_lossfix audit``: the invariance matrix as a command (DESIGN §3, §5).
+"""``python -m megatron_lossfix audit``: the invariance matrix as a command (docs/design.md §5, §8).
 
 For every chosen parallel layout and reduction mode it runs one real Megatron-Core training step
 of a tiny GPT through the plugin's schedule (DDP, pipeline schedules, ``finalize_model_grads``),
@@ -159,7 +159,7 @@ class AuditOptions:
 
     def model_kwargs(self, layout: AuditLayout) -> dict[str, Any]:
         # Without Transformer Engine, context parallelism needs layers that mix no tokens
-        # (DESIGN §4): CP layouts use the same model with attention replaced by identity.
+        # (docs/design.md §7): CP layouts use the same model with attention replaced by identity.
         kwargs: dict[str, Any] = {
             "num_layers": self.num_layers,
             "hidden": self.hidden,
@@ -709,7 +709,8 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
     )
 
 
-# Harmless on CPU and repeated by every rank (DESIGN §4); they would bury the progress output.
+# Harmless on CPU and repeated by every rank (docs/design.md §7); they would bury the progress
+# output.
 _KNOWN_WARNINGS = (
     "Apex is not installed",
     "Transformer Engine and Apex are not installed",

@@ -5,7 +5,7 @@ literals (`torch.zeros([], device="cuda")` in every pipeline schedule,
 `device=torch.cuda.current_device()` in p2p communication and the DDP grad buffers), stream and
 event bookkeeping, and CUDA RNG states. None of it changes what is computed, so on a CPU-only
 machine we bridge it instead of forking Megatron: the test suite and the example scripts then run
-the real GPTModel, pipeline schedules, DDP and `finalize_model_grads` (DESIGN §4).
+the real GPTModel, pipeline schedules, DDP and `finalize_model_grads` (docs/design.md §7).
 
 `enable_cpu_megatron()` is a no-op on a machine with CUDA unless forced. Everything it does is
 process-global and irreversible; call it once at start-up, before building models.

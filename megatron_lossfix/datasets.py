@@ -7,9 +7,10 @@ in length, so sequences carry very different numbers of loss tokens: exactly the
 per-micro-batch averaging goes wrong.
 
 The global batch of an iteration depends only on the records, the iteration, the global batch
-size and the seed (DESIGN §3). Parallel layouts only change how it is cut: DP rank ``r`` takes
-the ``r``-th contiguous slice, and micro-batches are contiguous slices of that. So two runs
-with different TP/PP/DP/CP layouts or micro-batch sizes see the same sequences in the same order.
+size and the seed (docs/design.md §5). Parallel layouts only change how it is cut: DP rank
+``r`` takes the ``r``-th contiguous slice, and micro-batches are contiguous slices of that. So two
+runs with different TP/PP/DP/CP layouts or micro-batch sizes see the same sequences in the same
+order.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ The patch itself stays a handful of lines; the code lives here:
   parallelism like Megatron-LM slices the batch).
 - The report is Megatron-LM's ``{"lm loss": [sum, count]}``, which ``train_step`` sums over
   micro-batches and the DP x CP group and logs as ``sum / count``. We report
-  ``[contribution, indicator]``: the contributions add up to the step's loss L (DESIGN §2) and the
-  indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged ``lm loss`` is L.
+  ``[contribution, indicator]``: the contributions add up to the step's loss L (docs/design.md
+  §2) and the indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged
+  ``lm loss`` is L.
 - :func:`enable_cpu_megatron_lm` runs Megatron-LM's training loop on a machine without CUDA
   (gloo), on top of :func:`megatron_lossfix.cpu_compat.enable_cpu_megatron`.
 

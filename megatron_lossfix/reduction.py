@@ -1,4 +1,6 @@
-"""Per-token loss weights for every reduction mode (DESIGN §2), from counts reduced once per step.
+"""Per-token loss weights for every reduction mode, from counts reduced once per step.
+
+The modes and their formulas: docs/design.md §2.
 
 A step's loss is ``L = sum_{s,t} w[s,t] * l[s,t]`` over the whole mini-batch. This module turns
 the step's loss masks into the weights ``w``: it counts loss tokens per sequence and per
@@ -249,7 +251,7 @@ def loss_weights(
     cp_group: dist.ProcessGroup | None = None,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches, so that ``sum(w * loss)`` over the
-    whole mini-batch is the step's loss under ``reduction`` (DESIGN §2).
+    whole mini-batch is the step's loss under ``reduction`` (docs/design.md §2).
 
     Args:
         loss_masks: this rank's micro-batch masks, each ``[batch, seq]`` (bool or 0/1 float);

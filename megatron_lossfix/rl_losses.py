@@ -1,6 +1,6 @@
 """Policy-gradient losses (PPO, dual-clip PPO, GSPO), KL penalties and GRPO advantages.
 
-Tinker semantics (DESIGN.md section 2): every loss here is a per-token quantity, and the step's loss
+Tinker semantics (docs/design.md §2): every loss here is a per-token quantity, and the step's loss
 is the plain weighted sum ``sum(weights * per_token_loss)`` with the plugin's globally normalized
 per-token ``weights`` -- never a mean. Regularizers (KL, entropy) use the same weights, so the whole
 objective is invariant to how the mini-batch is split over micro-batches and ranks.

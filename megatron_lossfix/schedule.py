@@ -810,7 +810,7 @@ class LossFixSchedule:
     def step_metrics(self) -> dict[str, float]:
         """The last step's global metrics, on every rank (collectives over DP x CP and PP).
 
-        ``loss`` is L of DESIGN §2 (with ``off``: the stock per-micro-batch mean Megatron
+        ``loss`` is L of docs/design.md §2 (with ``off``: the stock per-micro-batch mean Megatron
         optimizes), ``num_tokens`` N and ``num_sequences`` S; report entries that are 0-dim
         tensors named ``*_sum``/``*_count``, ``*_max`` or ``*_min`` are reduced that way over
         DP x CP. With ``off`` a number is left out when the step did not show it: ``loss`` when

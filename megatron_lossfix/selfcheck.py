@@ -26,7 +26,7 @@ With dropout the comparison runs twice more in eval mode (dropout masks cannot m
 splits); the kept gradient is still the normal, training-mode one. Costs one or two extra
 forward/backward passes and one gradient copy, once. Skipped with a warning: ``off`` and
 ``token_mean_legacy`` (split-dependent by definition), MoE auxiliary/z losses, expert capacity and
-MTP (batch-composition dependent by design, DESIGN §1).
+MTP (batch-composition dependent by design, docs/design.md §1).
 
 Wire it from flags with :func:`with_self_check` (``--lossfix-self-check``).
 """
@@ -520,7 +520,7 @@ class SelfCheckingSchedule:
         if features:
             return (
                 f"the model uses {', '.join(features)}, whose gradient depends on the batch "
-                "composition by design (DESIGN §1)"
+                "composition by design (docs/design.md §1)"
             )
         return None
 

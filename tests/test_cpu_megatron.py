@@ -3,8 +3,8 @@
 One training step of the real GPTModel through Megatron's own pipeline schedules, DDP and
 `finalize_model_grads`, under several parallel layouts, must give the gradient of a 1-rank,
 1-micro-batch reference (relative L2 <= 1e-5). The loss is the hand-normalized global token mean
-that undoes Megatron's averaging (DESIGN §1): `loss_sum * num_microbatches * dp / N_global` as a
-2-tuple. No lossfix plugin code is involved.
+that undoes Megatron's averaging (docs/design.md §1): `loss_sum * num_microbatches * dp /
+N_global` as a 2-tuple. No lossfix plugin code is involved.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hard layouts (issue 4): context parallelism, MoE expert parallelism, packed sequences,
+"""Hard layouts: context parallelism, MoE expert parallelism, packed sequences,
 uneven and empty micro-batches, Megatron's per-token mode, the distributed optimizer with
 overlapped gradient reduction, and gradient clipping, each against the one-rank reference."""
 
@@ -31,8 +31,8 @@ def assert_exact(checks: dict, what: str, modes=REDUCTIONS) -> None:
     ids=["cp2-m3", "cp2-m3-sharded-data", "cp2xdp2-m3", "cp2xdp2-m1-sharded-data"],
 )
 def test_context_parallel(dist_pool, world, m, sharded):
-    """Attention-free layers (DESIGN §4) make CP sharding exact on CPU; tokens are counted over
-    DP x CP, sequences once, and a sequence's tokens summed over its CP shards."""
+    """Attention-free layers (docs/design.md §7) make CP sharding exact on CPU; tokens are counted
+    over DP x CP, sequences once, and a sequence's tokens summed over its CP shards."""
     case = OracleCase(model_kwargs=NO_ATTENTION, schedule_kwargs={"data_is_cp_sharded": sharded})
     checks = check_layout(dist_pool, case, Layout(cp=2), world, m, MODES)
     assert_exact(checks, f"CP2 world {world}")

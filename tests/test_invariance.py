@@ -71,7 +71,7 @@ def test_gradient_matches_reference(dist_pool, references, name, layout, world, 
         )
         errors[mode] = relative_error(results[mode]["grads"], references[key]["grads"])
         if mode != "off":
-            # The reported loss is L of DESIGN §2, the same global value under every layout.
+            # The reported loss is L of docs/design.md §2, the same global value under every layout.
             got, want = results[mode]["metrics"]["loss"], references[key]["loss"]
             assert got == pytest.approx(want, rel=TOL), f"{name} {mode}: loss {got} != {want}"
     failed = {mode: err for mode, err in errors.items() if mode != "off" and err > TOL}

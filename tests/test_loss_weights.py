@@ -53,7 +53,7 @@ def test_hand_computed_weights(mode, kwargs, expected0, expected1):
 
 
 def test_skyrl_925_example_token_mean_vs_legacy():
-    """100 tokens with mean loss 0.5 and 900 with mean loss 0.3 (DESIGN §2)."""
+    """100 tokens with mean loss 0.5 and 900 with mean loss 0.3 (docs/design.md §2)."""
     masks = [torch.ones(1, 100), torch.ones(1, 900)]
     losses = [torch.full((1, 100), 0.5), torch.full((1, 900), 0.3)]
     assert _loss(loss_weights(masks, "token_mean"), losses) == pytest.approx(0.32, rel=1e-6)

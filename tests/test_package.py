@@ -1,4 +1,4 @@
-"""The package's public surface: what DESIGN §3 names, and an import that stays cheap."""
+"""The package's public surface: what docs/design.md §5 names, and an import that stays cheap."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_importing_the_package_does_not_import_megatron():
 
 
 def test_contract_names_are_top_level():
-    """What outside harnesses import (DESIGN §3): no internal module path needed."""
+    """What outside harnesses import (docs/design.md §5): no internal module path needed."""
     for name in ("LossFixConfig", "LossFixSchedule", "enable_cpu_megatron", "StepRefused"):
         assert name in megatron_lossfix.__all__, name
     assert megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.cpu_compat"

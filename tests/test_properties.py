@@ -1,12 +1,12 @@
-"""Property tests of the reduction math (DESIGN §2) over random masks, lengths and splits.
+"""Property tests of the reduction math (docs/design.md §2) over random masks, lengths and splits.
 
 Single process: a data-parallel split is simulated by counting each simulated rank's masks with
 ``count_tokens(masks_r, global_counts=False)``, summing N and S over the ranks by hand (what the
 DP all-reduce does) and handing each rank its ``StepCounts`` with the global N, S and D filled in
 (``dataclasses.replace``) to ``weights_from_counts``. A "step" is a list of variable-length
 sequences; a "split" cuts it into contiguous DP slices and each slice into contiguous
-micro-batches (Megatron's layout, DESIGN §3), padding every micro-batch to its longest sequence
-(plus some extra padding, which must get weight 0).
+micro-batches (Megatron's layout, docs/design.md §5), padding every micro-batch to its longest
+sequence (plus some extra padding, which must get weight 0).
 
 Checked: the weights sum to each mode's definition, the reduced loss ``sum(w * l)`` over all
 simulated ranks does not depend on the split for the invariant modes, ``token_mean_legacy``
@@ -219,7 +219,7 @@ def test_reduced_loss_is_invariant_to_the_split(case: tuple, mode: str) -> None:
         weights = _simulated_weights(ranks, mode)
         results.append(_reduced_loss(ranks, weights))
         tol = max(tol, RTOL * _magnitude(ranks, weights))
-    # And the definition itself, straight from the sequences (DESIGN §2 table).
+    # And the definition itself, straight from the sequences (docs/design.md §2 table).
     n, s = _totals(step)
     direct = 0.0
     for mask, losses in zip(step.masks, step.losses, strict=True):

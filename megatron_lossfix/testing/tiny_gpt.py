@@ -1,6 +1,6 @@
 """A tiny Megatron-Core GPT under any parallel layout, with layout-independent weights and grads.
 
-For gradient-oracle tests (DESIGN §5), to be called inside `DistPool` workers (or any process
+For gradient-oracle tests (docs/design.md §8), called inside `DistPool` workers (or any process
 group): `init_layout` sets up Megatron's parallel state, `build_tiny_gpt` builds the real GPTModel
 chunks wrapped in Megatron DDP, `set_deterministic_params` gives every layout the same global
 weights, and `gather_full_grads` (`gather_full_params`) reassembles the full, unsharded gradient
