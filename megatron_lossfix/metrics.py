@@ -81,18 +81,22 @@ def _local_metrics(state: _StepState, config: LossFixConfig) -> dict:
         if tuple_tokens
         else zero.to(device)
     )
+    # Each MTP layer's share of the loss, sum(w_j * l_j) (plugin modes, loss stage).
+    mtp = state.mtp.contributions if state.mtp is not None else []
     sum_vec = torch.stack(
         [
             loss,
             tokens,
             *(torch.tensor(u, dtype=torch.float64, device=device) for u in unseen),
             *(torch.stack(stats[k]).sum().to(device) for k in sums),
+            *(torch.stack(c).double().sum().to(device) if c else zero.to(device) for c in mtp),
         ]
     )
     if dist.is_initialized() and groups.dp_cp is not None:
         dist.all_reduce(sum_vec, group=groups.dp_cp)
     no_loss, no_tuple_tokens, no_masks = (bool(v > 0) for v in sum_vec[2:5].tolist())
     out: dict[str, Any] = {k: sum_vec[5 + i] for i, k in enumerate(sums)}
+    out.update({f"mtp_loss_{j + 1}": sum_vec[5 + len(sums) + j] for j in range(len(mtp))})
     counts = state.counts
     if counts is None and not no_masks:
         # ``off`` counted nothing before the step (it communicates nothing): count now.
