@@ -190,6 +190,26 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
         help="MoE load-balancing loss weight",
     )
     model.add_argument(
+        "--mtp-num-layers",
+        type=positive_int,
+        default=None,
+        help="multi-token prediction layers (DeepSeek-V3 style): their losses are normalized "
+        "by the same --loss-reduction over their own shifted masks",
+    )
+    model.add_argument(
+        "--mtp-loss-scaling-factor",
+        type=_non_negative_float,
+        default=0.1,
+        help="weight of the MTP losses (Megatron divides it by --mtp-num-layers)",
+    )
+    model.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default="learned_absolute",
+        help="position embedding; MTP with pipeline parallelism needs rope (Megatron sums "
+        "only the word embeddings' gradient over the stages holding a copy)",
+    )
+    model.add_argument(
         "--transformer-impl",
         choices=("local", "transformer_engine"),
         default="local",
@@ -300,6 +320,13 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
             raise UsageError(
                 f"{name} {value} is not divisible by --tensor-model-parallel-size {tp}"
             )
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp and pp > 1 and args.position_embedding_type != "rope":
+        raise UsageError(
+            f"--mtp-num-layers {mtp} with --pipeline-model-parallel-size {pp} needs "
+            "--position-embedding-type rope: the MTP layers on the last stage use a copy of the "
+            "position embedding whose gradient Megatron does not sum over the stages"
+        )
     if ep > 1 and args.num_experts is None:
         raise UsageError(f"--expert-model-parallel-size {ep} needs --num-experts")
     if args.num_experts is not None and args.num_experts % ep:
@@ -527,6 +554,8 @@ class ExampleRun:
             "num_sequences": int(metrics["num_sequences"]),
             "step_time_s": step_time,
             "reduction": self.config.reduction,
+            # Each MTP layer's loss, normalized like the main loss (plugin modes).
+            **{k: v for k, v in metrics.items() if k.startswith("mtp_loss_")},
             **(record or {}),
         }
         if self._out is not None:
@@ -534,7 +563,8 @@ class ExampleRun:
             self._out.flush()
         # Iteration 1 too: the starting loss is what a run is compared against.
         if iteration % args.log_interval == 0 or iteration == 1:
-            extra = "".join(f" {label}: {value} |" for label, value in log_items)
+            mtp = [(f"mtp_{k[9:]} loss", f"{v:.6E}") for k, v in line.items() if "mtp_loss_" in k]
+            extra = "".join(f" {label}: {value} |" for label, value in (*mtp, *log_items))
             print(
                 f" iteration {iteration:8d}/{args.train_iters:8d} |"
                 f" consumed samples: {iteration * args.global_batch_size:10d} |"
@@ -570,6 +600,9 @@ def build_model(
         seq_len=args.seq_length,
         num_experts=args.num_experts,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        position_embedding_type=args.position_embedding_type,
         no_attention=args.no_attention,
         calculate_per_token_loss=calculate_per_token_loss,
         transformer_impl=args.transformer_impl,

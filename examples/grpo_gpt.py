@@ -608,6 +608,11 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
         # Every mistake that can be seen before start-up is reported before it.
         check_launch(args)
+        if args.mtp_num_layers:
+            raise UsageError(
+                "--mtp-num-layers is for examples/pretrain_gpt.py: the policy loss here reads "
+                "the model's logits, and Megatron computes MTP losses only from labels"
+            )
         records = None
         if args.rollouts is not None:
             try:

@@ -72,7 +72,15 @@ def forward_step(cp_group, data_iterator, model):
     batch = next(data_iterator)
     if cp_group is not None:
         batch = slice_batch_for_cp(batch, cp_group)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # The loss mask goes to the model too: Megatron computes MTP losses (--mtp-num-layers)
+    # inside it, and the plugin weighs each MTP layer through it.
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
     return output, partial(weighted_loss, batch.get("loss_weights"))
 
 

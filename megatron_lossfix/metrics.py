@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
+from megatron_lossfix.mtp import MTPStep
 from megatron_lossfix.reduction import StepCounts, count_tokens
 
 __all__ = ["StepState", "reduce_step_metrics"]
@@ -51,6 +52,8 @@ class StepState:
     problem: Exception | None = None
     """The first error of the loss stage inside Megatron's schedule (a plugin mode): the step
     ran on with a zero loss there, and every rank of the step refuses it afterwards."""
+    mtp: MTPStep | None = None
+    """The MTP layers' weights and recorded losses (a plugin mode, loss stage, MTP models)."""
 
 
 _SUFFIXES = ("_sum", "_count", "_max", "_min")
@@ -112,18 +115,22 @@ def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
         if tuple_tokens
         else zero.to(device)
     )
+    # Each MTP layer's share of the loss, sum(w_j * l_j) (plugin modes, loss stage).
+    mtp = state.mtp.contributions if state.mtp is not None else []
     sum_vec = torch.stack(
         [
             loss,
             tokens,
             *(torch.tensor(u, dtype=torch.float64, device=device) for u in unseen),
             *(torch.stack(stats[k]).sum().to(device) for k in sums),
+            *(torch.stack(c).double().sum().to(device) if c else zero.to(device) for c in mtp),
         ]
     )
     if dist.is_initialized() and groups.dp_cp is not None:
         dist.all_reduce(sum_vec, group=groups.dp_cp)
     no_loss, no_tuple_tokens, no_masks = (bool(v > 0) for v in sum_vec[2:5].tolist())
     out: dict[str, Any] = {k: sum_vec[5 + i] for i, k in enumerate(sums)}
+    out.update({f"mtp_loss_{j + 1}": sum_vec[5 + len(sums) + j] for j in range(len(mtp))})
     counts = state.counts
     if counts is None and not no_masks:
         # ``off`` counted nothing before the step (it communicates nothing): count now.

@@ -32,6 +32,7 @@ __all__ = [
     "count_tokens",
     "float_masks",
     "loss_weights",
+    "shifted_masks",
     "weights_from_counts",
 ]
 
@@ -240,6 +241,22 @@ def weights_from_counts(
             out.append(m * per_token)
         return out
     raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def shifted_masks(masks: Sequence[torch.Tensor], shift: int) -> list[torch.Tensor]:
+    """The loss masks of multi-token prediction layer ``shift``: position ``t`` holds the mask of
+    position ``t + shift`` of its sequence, and the last ``shift`` positions hold 0, as after
+    ``shift`` calls of Megatron's ``roll_tensor(mask, shifts=-1)`` on whole sequences."""
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    out = []
+    for mask in masks:
+        shifted = torch.zeros_like(mask)
+        keep = mask.shape[-1] - shift
+        if keep > 0:
+            shifted[..., :keep] = mask[..., shift:]
+        out.append(shifted)
+    return out
 
 
 def loss_weights(

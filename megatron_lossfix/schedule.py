@@ -59,15 +59,18 @@ from megatron_lossfix.megatron_compat import (
     group_size,
     resolve_groups,
     schedule_for,
+    slice_batch_for_cp,
     warn_if_untested,
 )
 from megatron_lossfix.metrics import StepState, reduce_step_metrics
+from megatron_lossfix.mtp import MTPStep, active, install_hooks
 from megatron_lossfix.reduction import (
     StepCounts,
     bad_mask_message,
     bad_mask_values,
     count_tokens,
     float_masks,
+    shifted_masks,
     weights_from_counts,
 )
 
@@ -104,13 +107,15 @@ _KINDS: tuple[str, ...] = (
     "an error while preparing the step",
     "ranks disagree on the loss reduction or calculate_per_token_loss",
     "the loss function failed or returned what the plugin cannot use",
+    "the multi-token prediction loss could not be normalized",
 )
 (
     _NO_ITERATOR, _UNREADABLE, _RAN_OUT, _NOT_DICT, _MALFORMED, _MASK_VALUES, _OTHER, _DISAGREE,
-    _LOSS_FUNC,
+    _LOSS_FUNC, _MTP,
 ) = range(len(_KINDS))  # fmt: skip
 # Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
-# (global rank + 1), one count per kind]. float64: exact for counts below 2**53.
+# (global rank + 1), one count per kind], then N and S of each MTP layer's shifted masks.
+# float64: exact for counts below 2**53.
 _N, _S, _FP, _FP2, _PROBLEMS, _RANK_SUM, _KIND0 = range(7)
 VECTOR_LEN = _KIND0 + len(_KINDS)
 _PREFIX = "megatron_lossfix refused this step: "
@@ -136,11 +141,24 @@ def _refuse_hybrid_cp(chunk: Any) -> None:
         )
 
 
+def _refuse_sharded_mtp(mtp_layers: int, config: LossFixConfig) -> None:
+    """MTP layers read the loss mask of later positions, which CP shards from the data
+    iterator do not hold; the setting is the same on every rank: each raises, before any
+    collective."""
+    if mtp_layers and config.data_is_cp_sharded:
+        raise StepRefused(
+            f"{_PREFIX}multi-token prediction (mtp_num_layers={mtp_layers}) needs whole "
+            "sequences from the data iterator (data_is_cp_sharded=False): slice them for "
+            "context parallelism in forward_step"
+        )
+
+
 def _agreement_vector(
-    problem: _LocalProblem | None, rank: int, device: torch.device
+    problem: _LocalProblem | None, rank: int, device: torch.device, mtp_layers: int = 0
 ) -> torch.Tensor:
-    """A zero agreement vector carrying this rank's problem, if any."""
-    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64, device=device)
+    """A zero agreement vector carrying this rank's problem, if any (plus two slots for the
+    counts of each MTP layer)."""
+    vec = torch.zeros(VECTOR_LEN + 2 * mtp_layers, dtype=torch.float64, device=device)
     if problem is not None:
         vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
     return vec
@@ -370,6 +388,7 @@ class LossFixSchedule:
 
         problem: _LocalProblem | None = None
         per_token = False
+        mtp_layers = 0
         batches: list = []
         masks: list[torch.Tensor] = []
         segments: list = []
@@ -377,11 +396,20 @@ class LossFixSchedule:
             from megatron.core.utils import get_model_config
 
             # A plain ModelParallelConfig has no such field: Megatron's default behaviour.
-            per_token = bool(
-                getattr(get_model_config(chunks[0]), "calculate_per_token_loss", False)
-            )
+            model_config = get_model_config(chunks[0])
+            per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
+            mtp_layers = int(getattr(model_config, "mtp_num_layers", None) or 0)
+            _refuse_sharded_mtp(mtp_layers, cfg)
             if groups.is_last_stage:
                 batches, masks, segments = self._read_step(iterators[-1], num_microbatches)
+                if mtp_layers and any(seg is not None for seg, _ in segments):
+                    raise _LocalProblem(
+                        _MTP,
+                        "packed micro-batches (cu_seqlens) with multi-token prediction: the "
+                        "plugin normalizes MTP layers over whole rows only",
+                    )
+        except StepRefused:
+            raise
         except _LocalProblem as exc:
             problem = exc
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
@@ -399,7 +427,10 @@ class LossFixSchedule:
             num_microbatches=num_microbatches,
             model=model,
         )
-        counts = self._agree(groups, per_token, masks, segments, problem)
+        mtp_masks = [shifted_masks(masks, j) for j in range(1, mtp_layers + 1)] if masks else []
+        counts, mtp_counts = self._agree(
+            groups, per_token, masks, segments, problem, mtp_masks, mtp_layers
+        )
         state.masks, state.segments, state.counts = masks, segments, counts
         self.last_step = state
 
@@ -418,6 +449,10 @@ class LossFixSchedule:
             step_iter = _StepIterator(
                 batches, lambda batch, k: self._with_weights(batch, k, weights[k])
             )
+            if mtp_layers:
+                state.mtp = self._mtp_step(
+                    mtp_masks, mtp_counts, chunks[0], groups, state, step_iter
+                )
             iterators = [*iterators[:-1], step_iter]
             wrapped_step = self._wrap_forward_step(
                 forward_step_func, step_iter, num_microbatches, groups, state
@@ -489,7 +524,9 @@ class LossFixSchedule:
         masks: list[torch.Tensor],
         segments: list,
         problem: _LocalProblem | None,
-    ) -> StepCounts | None:
+        mtp_masks: list[list[torch.Tensor]] = (),
+        mtp_layers: int = 0,
+    ) -> tuple[StepCounts | None, list[StepCounts]]:
         """Count the step's tokens and agree, on every rank of the step, that it can run.
 
         The loss stage sums ``[N, S, fp, fp**2, problems...]`` over its data x context-parallel
@@ -497,7 +534,9 @@ class LossFixSchedule:
         divided by the CP size); with pipeline parallelism every stage then sums the verdict
         over the pipeline group. All fingerprints are equal exactly when
         ``sum(fp)**2 == n * sum(fp**2)``. One device sync, after the last collective. Returns
-        the counts on the loss stage, None elsewhere; raises on every rank when any refused.
+        the counts on the loss stage, None elsewhere, and those of each MTP layer's shifted
+        masks (``mtp_masks``; empty elsewhere), which ride in the same all-reduce; raises on
+        every rank when any refused.
         """
         cfg = self.config
         # On the accelerator whatever device the masks are on: NCCL reduces CUDA tensors only,
@@ -505,10 +544,11 @@ class LossFixSchedule:
         device = _default_device()
         fp = self._fingerprint(per_token)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        vec = _agreement_vector(problem, rank, device)
+        vec = _agreement_vector(problem, rank, device, mtp_layers)
         vec[_FP], vec[_FP2] = fp, fp * fp
 
         local_counts = bad = None
+        mtp_local: list[StepCounts] = []
         # CP shards are counted with one more all-reduce over CP, of a size only healthy ranks
         # know: with sharded data the checks go first (one extra collective in this layout).
         sharded_cp = cfg.data_is_cp_sharded and groups.cp_size > 1
@@ -523,6 +563,10 @@ class LossFixSchedule:
                 if not sharded_cp:
                     local_counts = self._count(masks, segments, None)
                     vec[_N], vec[_S] = local_counts.num_tokens, local_counts.num_sequences
+                    mtp_local = [self._count(m, segments, None) for m in mtp_masks]
+                    for j, layer in enumerate(mtp_local):
+                        vec[VECTOR_LEN + 2 * j] = layer.num_tokens
+                        vec[VECTOR_LEN + 2 * j + 1] = layer.num_sequences
             vec = self._reduce(vec, groups.dp_cp)
             # Disagreement inside the group becomes a problem that every stage hears of.
             n = float(groups.dp_cp_size)
@@ -539,17 +583,22 @@ class LossFixSchedule:
             vec = self._reduce(vec, groups.pp)
         self._verdict(vec.tolist(), groups, per_token, problem, bad)
         if local_counts is None:
-            return None
+            return None, []
         # Every CP rank holds the same sequences (whole, or after the CP sum of shards).
         replicas = float(groups.cp_size)
         mask_device = masks[0].device
-        return StepCounts(
-            num_tokens=(vec[_N] / replicas).to(mask_device),
-            num_sequences=(vec[_S] / replicas).to(mask_device),
-            seq_tokens=local_counts.seq_tokens,
-            mb_tokens=local_counts.mb_tokens,
-            dp_size=groups.dp_size,
-        )
+
+        def totals(at: int, local: StepCounts) -> StepCounts:
+            return StepCounts(
+                num_tokens=(vec[at] / replicas).to(mask_device),
+                num_sequences=(vec[at + 1] / replicas).to(mask_device),
+                seq_tokens=local.seq_tokens,
+                mb_tokens=local.mb_tokens,
+                dp_size=groups.dp_size,
+            )
+
+        layers = [totals(VECTOR_LEN + 2 * j, c) for j, c in enumerate(mtp_local)]
+        return totals(_N, local_counts), layers
 
     def _agree_after(self, groups: StepGroups, state: StepState) -> None:
         """Refuse the step on every rank if the loss stage hit an error inside the schedule.
@@ -706,10 +755,14 @@ class LossFixSchedule:
             scale = float(num_microbatches * groups.dp_size)
 
         def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
-            output, loss_func = forward_step_func(data_iterator, model, *args)
             if data_iterator is not step_iter:
-                return output, loss_func  # another model chunk: Megatron never calls its loss
+                # Another model chunk: Megatron never calls its loss.
+                return forward_step_func(data_iterator, model, *args)
+            with active(state.mtp):  # the model computes its MTP losses in this call
+                output, loss_func = forward_step_func(data_iterator, model, *args)
             k = step_iter.index
+            if state.mtp is not None and state.mtp.problem and state.problem is None:
+                state.problem = _LocalProblem(_MTP, state.mtp.problem)
 
             def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
                 if state.problem is not None:
@@ -735,6 +788,44 @@ class LossFixSchedule:
             return output, loss
 
         return forward_step
+
+    def _mtp_step(
+        self,
+        mtp_masks: list[list[torch.Tensor]],
+        mtp_counts: list[StepCounts],
+        chunk: Any,
+        groups: StepGroups,
+        state: StepState,
+        step_iter: _StepIterator,
+    ) -> MTPStep:
+        """Each MTP layer's weights: the mode over the layer's shifted masks with their global
+        counts, times what undoes Megatron's averaging of the MTP loss, sliced for CP."""
+        from megatron.core.utils import get_model_config
+
+        cfg, config = self.config, get_model_config(chunk)
+        install_hooks()
+        if state.per_token:
+            # finalize_model_grads divides every gradient by the all-reduced num_tokens, N.
+            factor: torch.Tensor | float = state.counts.num_tokens.to(torch.float32)
+        else:
+            # The schedule scales the MTP loss by 1/M (by no CP factor, unlike the main loss)
+            # and DDP divides the gradient by D * cp.
+            factor = float(state.num_microbatches * groups.dp_size * groups.cp_size)
+        weights = []
+        for masks, counts in zip(mtp_masks, mtp_counts, strict=True):
+            layer = weights_from_counts(
+                masks, counts, cfg.reduction, norm_constant=cfg.norm_constant
+            )
+            layer = [w * factor for w in layer]
+            if groups.cp_size > 1:
+                layer = [slice_batch_for_cp({"w": w}, groups.cp)["w"] for w in layer]
+            weights.append(layer)
+        return MTPStep(
+            weights=weights,
+            factor=factor,
+            scale=float(config.mtp_loss_scaling_factor) / len(weights),
+            microbatch=lambda: step_iter.index,
+        )
 
     def _convert(
         self, outputs: Any, k: int, scale: torch.Tensor | float | None, state: StepState

@@ -242,3 +242,23 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
         assert f"truncated: 2 ({want['cut_loss_tokens']} loss tokens cut)" in line
         assert "no loss tokens: 1" in line and "eos only: 1" in line
     assert "data: 8 samples over 2 iterations at --seq-length 64: 4 truncated" in proc.stdout
+
+
+@pytest.mark.parametrize("reduction", ["sequence_mean", "off"])
+def test_pretrain_gpt_mtp_layouts_agree(tmp_path, reduction):
+    """Two MTP layers, one rank with one micro-batch against PP2 with 2-sequence micro-batches:
+    the grad norm covers the MTP gradient, which the plugin normalizes like the main loss;
+    stock Megatron's per-micro-batch MTP means differ."""
+    args = [*COMMON, "--mtp-num-layers", "2", "--position-embedding-type", "rope",
+            "--loss-reduction", reduction]  # fmt: skip
+    one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *args,
+                      "--micro-batch-size", "12")  # fmt: skip
+    two = run_example("pretrain_gpt.py", 2, tmp_path / "two.jsonl", *args,
+                      "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2")  # fmt: skip
+    norm_diff = max_rel_diff(one, two, "grad_norm")
+    if reduction == "off":
+        assert norm_diff > 1e-3, f"stock Megatron's MTP agreed: {norm_diff}"
+        return
+    assert norm_diff <= TOL and max_rel_diff(one, two, "loss") <= TOL, (one, two)
+    for key in ("mtp_loss_1", "mtp_loss_2"):
+        assert max_rel_diff(one, two, key) <= TOL, key

@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     # Megatron glue
     "megatron_compat": GLUE,
     "metrics": GLUE,
+    "mtp": GLUE,
     "schedule": GLUE,
     "selfcheck": GLUE,
     "args": GLUE,

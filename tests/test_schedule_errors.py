@@ -4,6 +4,7 @@ data-dependent failures on one data-parallel rank stop every rank instead of han
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
 
 import pytest
@@ -39,7 +40,16 @@ def _forward_step(loss_variant, data_iterator, model):
 SECOND_TOKEN = -1
 
 
-def _step(mode_by_rank, *, m=3, mutate=None, loss_variant="plain", per_token=False, **cfg):
+def _step(
+    mode_by_rank,
+    *,
+    m=3,
+    mutate=None,
+    loss_variant="plain",
+    per_token=False,
+    model_kwargs=None,
+    **cfg,
+):
     """One step on DP ranks; returns ``("ok", None)`` or ``(exception type, message)``."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -52,7 +62,9 @@ def _step(mode_by_rank, *, m=3, mutate=None, loss_variant="plain", per_token=Fal
     rank = dist.get_rank()
     if isinstance(per_token, tuple):  # one flag per rank
         per_token = per_token[rank]
-    chunks, config = build_tiny_gpt(Layout(), calculate_per_token_loss=per_token)
+    chunks, config = build_tiny_gpt(
+        Layout(), calculate_per_token_loss=per_token, **(model_kwargs or {})
+    )
     case = OracleCase()
     batch = make_global_batch(case, config.vocab_size)
     dp = ps.get_data_parallel_world_size()
@@ -286,3 +298,38 @@ def test_hybrid_context_parallel_is_refused_before_any_collective():
     schedule = LossFixSchedule(LossFixConfig(reduction="sequence_mean"))
     with pytest.raises(StepRefused, match="hybrid_context_parallel=True.*--loss-reduction off"):
         schedule(forward_step_func=None, data_iterator=iter([]), model=[model], num_microbatches=2)
+
+
+# ---------------------------------------------------------------- multi-token prediction
+MTP = {"model_kwargs": {"mtp_num_layers": 1}}
+
+
+def test_mtp_needs_the_loss_mask_passed_to_the_model(dist_pool):
+    """This forward step calls the model without ``loss_mask``: Megatron would then weigh MTP
+    by a mask of ones; every rank refuses the step, saying what to pass."""
+    results = _run(dist_pool, ("token_mean", "token_mean"), **MTP)
+    for kind, message in results:
+        assert kind == REFUSED, results
+        assert "pass the loss mask to the model" in message, results
+
+
+def _packed(rank, mbs, m):
+    b, s = mbs[0]["tokens"].shape
+    packed = [{k: v.reshape(1, -1) for k, v in mb.items()} for mb in mbs]
+    for mb in packed:
+        mb["cu_seqlens"] = torch.arange(0, mb["tokens"].shape[1] + 1, s, dtype=torch.int32)
+    return packed, m
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"data_is_cp_sharded": True}, "needs whole sequences from the data iterator"),
+        ({"mutate": _packed}, "packed micro-batches .cu_seqlens. with multi-token prediction"),
+    ],
+    ids=["cp-sharded-data", "packed"],
+)
+def test_mtp_refuses_what_it_cannot_normalize(dist_pool, kwargs, match):
+    results = _run(dist_pool, ("sequence_mean", "sequence_mean"), **MTP, **kwargs)
+    for kind, message in results:
+        assert kind == REFUSED and re.search(match, message), results

@@ -140,9 +140,12 @@ def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _model_output(case: OracleCase, model: Any, batch: dict) -> torch.Tensor:
-    """Per-token cross entropy (SFT) or vocab-parallel logits ``[b, s, V/TP]`` (RL)."""
+    """Per-token cross entropy (SFT) or vocab-parallel logits ``[b, s, V/TP]`` (RL). The loss
+    mask goes to the model too: Megatron computes multi-token prediction losses inside it."""
     labels = batch["labels"] if case.objective == "sft" else None
-    return model(batch["tokens"], batch["position_ids"], None, labels=labels)
+    return model(
+        batch["tokens"], batch["position_ids"], None, labels=labels, loss_mask=batch["loss_mask"]
+    )
 
 
 def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch.Tensor) -> tuple:
@@ -323,23 +326,32 @@ def reference_grads(
     optimizer = _optimizer(case, chunks, distributed=False) if case.optimizer else None
     batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
     target = "token_mean" if mode == "off" else mode
-    if target == "token_mean_legacy":
-        rank_masks = torch.split(batch["loss_mask"], [sum(sizes) for sizes in plan])
-        weights = torch.cat(
+
+    def weights_of(mask: torch.Tensor) -> torch.Tensor:
+        if target != "token_mean_legacy":
+            return loss_weights([mask], target, norm_constant=case.norm_constant)[0]
+        rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
+        return torch.cat(
             [
                 torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
                 for masks, sizes in zip(rank_masks, plan, strict=True)
             ]
         ) / len(plan)
-    else:
-        weights = loss_weights([batch["loss_mask"]], target, norm_constant=case.norm_constant)[0]
+
     model = chunks[0]
     model.zero_grad_buffer()
+    mtp_logits = _capture_mtp_logits(model, config)
     output = _model_output(case, model, batch)
     if case.objective == "sft":
-        loss = weighted_sum(output, weights)
+        loss = weighted_sum(output, weights_of(batch["loss_mask"]))
     else:
-        loss = _rl_loss(case, batch, weights, output)[0]
+        loss = _rl_loss(case, batch, weights_of(batch["loss_mask"]), output)[0]
+    main_loss = float(loss)
+    mtp_losses: list[torch.Tensor] = []
+    if mtp_logits is not None:
+        mtp_losses = _reference_mtp_losses(batch, mtp_logits(), weights_of)
+        scale = config.mtp_loss_scaling_factor / len(mtp_losses)
+        loss = loss + scale * torch.stack(mtp_losses).sum()
     if getattr(config, "num_moe_experts", None):
         # The aux losses' backward reads a class-wide scale that Megatron's schedule sets; set
         # what it would set for one rank and one micro-batch. Left unset, the backward would
@@ -350,10 +362,54 @@ def reference_grads(
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=loss.device))
     loss.backward()
     model.finish_grad_sync()
-    result = {"grads": gather_full_grads(chunks), "loss": float(loss)}
+    result = {"grads": gather_full_grads(chunks), "loss": main_loss}
+    result.update({f"mtp_loss_{j}": float(v) for j, v in enumerate(mtp_losses, start=1)})
     if optimizer is not None:
         result.update(_optimizer_step(optimizer, chunks, gather_full_params))
     return result
+
+
+def _capture_mtp_logits(model: Any, config: Any) -> Any:
+    """With MTP layers: collect the logits the output layer computes for them (before the main
+    logits) and silence Megatron's own MTP backward, so that the reference adds the MTP loss
+    itself; returns a function giving the MTP logits, or None without MTP."""
+    num_layers = getattr(config, "mtp_num_layers", None) or 0
+    if not num_layers:
+        return None
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    unwrapped = model
+    while not hasattr(unwrapped, "output_layer"):
+        unwrapped = unwrapped.module
+    seen: list[torch.Tensor] = []
+    # A copy: Megatron's cross entropy overwrites its logits in place (exp).
+    handle = unwrapped.output_layer.register_forward_hook(
+        lambda _m, _i, out: seen.append(out[0].clone())
+    )
+    # Megatron attaches its own MTP loss with this class-wide backward scale: 0 here.
+    MTPLossAutoScaler.set_loss_scale(torch.zeros(1))
+
+    def logits() -> list[torch.Tensor]:
+        handle.remove()
+        return seen[:num_layers]
+
+    return logits
+
+
+def _reference_mtp_losses(batch: dict, logits: list, weights_of: Any) -> list[torch.Tensor]:
+    """``sum(w_j * l_j)`` of each MTP layer j: it predicts the label j positions ahead, with the
+    mode's weights over the loss mask shifted by j."""
+    from megatron_lossfix.reduction import shifted_masks
+
+    losses = []
+    for j, layer_logits in enumerate(logits, start=1):
+        labels = shifted_masks([batch["labels"]], j)[0]
+        mask = shifted_masks([batch["loss_mask"]], j)[0]
+        ce = torch.nn.functional.cross_entropy(
+            layer_logits.transpose(0, 1).float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view_as(mask)
+        losses.append((weights_of(mask) * ce).sum())
+    return losses
 
 
 def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

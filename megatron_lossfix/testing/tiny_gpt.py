@@ -111,10 +111,16 @@ def _layer_spec(num_experts: int | None, no_attention: bool, transformer_impl: s
     if no_attention:
         # The attention block becomes x -> x (no norm, no attention, no residual add): tokens
         # never mix, so sharding the sequence over CP ranks is exact without TE's CP attention.
+        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
         sub = dataclasses.replace(
             spec.submodules,
             input_layernorm=IdentityOp,
-            self_attention=IdentityOp,
+            # MTP layers read the attention's mask type from the spec's params.
+            self_attention=ModuleSpec(
+                module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal}
+            ),
             self_attn_bda=IdentityFuncOp,
         )
         spec = dataclasses.replace(spec, submodules=sub)
@@ -133,6 +139,8 @@ def build_tiny_gpt(
     num_experts: int | None = None,
     moe_router_topk: int = 2,
     moe_aux_loss_coeff: float = 0.0,
+    mtp_num_layers: int | None = None,
+    position_embedding_type: str = "learned_absolute",
     no_attention: bool = False,
     tie_embeddings: bool = False,
     calculate_per_token_loss: bool = False,
@@ -201,6 +209,8 @@ def build_tiny_gpt(
         # batch; with PP=2 both go to the same peer and pair up crossed (activations received as
         # gradients, silently: Megatron-LM #750, #1450). Not CPU-specific.
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if mtp_num_layers:
+        kwargs.update(mtp_num_layers=mtp_num_layers)
     if num_experts:
         kwargs.update(
             num_moe_experts=num_experts,
@@ -226,6 +236,14 @@ def build_tiny_gpt(
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
+        mtp_spec = None
+        if mtp_num_layers:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+            # None on the ranks that hold no MTP layer (all but the last stage).
+            mtp_spec = get_gpt_mtp_block_spec(
+                config, spec, use_transformer_engine=transformer_impl != "local", vp_stage=vp
+            )
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -234,8 +252,9 @@ def build_tiny_gpt(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=tie_embeddings,
-            position_embedding_type="learned_absolute",
+            position_embedding_type=position_embedding_type,
             vp_stage=vp,
+            mtp_block_spec=mtp_spec,
         )
         if lora_rank:
             from megatron_lossfix.lora import apply_lora

@@ -1,0 +1,116 @@
+"""Multi-token prediction: every MTP layer's loss normalized like the main loss, exactly.
+
+Megatron computes each MTP layer's loss inside GPTModel and divides it by local counts; the
+plugin hands it the mode's weights over each layer's shifted masks instead. The reference
+(``oracle.reference_grads``) computes the MTP losses itself from the logits the model's output
+layer produced for the MTP layers, with Megatron's own MTP backward silenced; on one rank and one
+micro-batch, stock Megatron's MTP (``off``) equals it for token_mean, which pins the reference to
+Megatron's semantics (MTP layer j predicts the label j positions ahead, scaled by
+``mtp_loss_scaling_factor / mtp_num_layers``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from packaging.version import Version
+
+from megatron_lossfix import REDUCTIONS
+from megatron_lossfix.megatron_compat import megatron_core_version
+from megatron_lossfix.reduction import shifted_masks
+from megatron_lossfix.testing.oracle import OracleCase, check_layout
+from megatron_lossfix.testing.tiny_gpt import Layout
+
+TOL = 1e-5
+MODES = (*REDUCTIONS, "off")
+#: Learned absolute positions would need their gradient summed over pipeline stages (the last
+#: stage's MTP layers use a copy of the embedding), which Megatron does only for word
+#: embeddings; MTP models use RoPE.
+ROPE = {"position_embedding_type": "rope"}
+
+
+def test_shifted_masks_match_megatrons_roll():
+    mask = torch.tensor([[0.0, 1, 1, 0, 1], [1, 1, 1, 1, 1]])
+    assert shifted_masks([mask], 0)[0].equal(mask)
+    assert shifted_masks([mask], 1)[0].equal(torch.tensor([[1.0, 1, 0, 1, 0], [1, 1, 1, 1, 0]]))
+    assert shifted_masks([mask], 2)[0].equal(torch.tensor([[1.0, 0, 1, 0, 0], [1, 1, 1, 0, 0]]))
+    assert not shifted_masks([mask], 7)[0].any()
+    with pytest.raises(ValueError, match="shift"):
+        shifted_masks([mask], -1)
+
+
+def assert_mtp_exact(checks: dict, layers: int, what: str, modes=REDUCTIONS) -> None:
+    for mode in modes:
+        check = checks[mode]
+        assert check["error"] <= TOL, f"{what} {mode}: main + MTP gradient error {check['error']}"
+        metrics, ref = check["result"]["metrics"], check["reference"]
+        assert metrics["loss"] == pytest.approx(ref["loss"], rel=TOL), (what, mode)
+        for j in range(1, layers + 1):
+            key = f"mtp_loss_{j}"
+            assert metrics[key] == pytest.approx(ref[key], rel=TOL), (what, mode, key)
+            assert math.isfinite(metrics[key])
+
+
+LAYOUTS = {
+    "m4": (Layout(), 1, 4, {}),
+    "dp2-m3": (Layout(), 2, 3, {}),
+    "pp2-m3": (Layout(pp=2), 2, 3, ROPE),
+    "cp2-m3": (Layout(cp=2), 2, 3, {"no_attention": True}),
+    "ep2-m3": (Layout(ep=2), 2, 3, {"num_experts": 4}),
+}
+CASES = [
+    *[(name, 2, False) for name in LAYOUTS],
+    ("m4", 1, False),
+    ("cp2-m3", 1, False),
+    ("m4", 2, True),
+    ("pp2-m3", 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "name, layers, per_token",
+    CASES,
+    ids=[f"{n}-mtp{k}{'-per-token' if p else ''}" for n, k, p in CASES],
+)
+def test_mtp_gradient_is_layout_invariant(dist_pool, name, layers, per_token):
+    layout, world, m, model_kwargs = LAYOUTS[name]
+    case = OracleCase(model_kwargs={**model_kwargs, "mtp_num_layers": layers}, per_token=per_token)
+    checks = check_layout(dist_pool, case, layout, world, m, MODES)
+    assert_mtp_exact(checks, layers, name)
+    # Stock Megatron averages each MTP layer per micro-batch and rank (and, under CP, misses
+    # the CP factor): the same check fails.
+    assert checks["off"]["error"] > 1e-4, checks["off"]["error"]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean-path", "per-token-path"])
+def test_stock_mtp_on_one_rank_is_the_reference(dist_pool, per_token):
+    """One rank, one micro-batch: Megatron's own MTP loss (``off``) and the reference agree
+    (token_mean), so the reference is Megatron's MTP semantics, not the plugin's reading of
+    them; the plugin's modes agree too.
+
+    Megatron's per-token path before 0.17 divided each MTP layer by the main loss's token
+    count rather than its own (shifted) count; 0.17 rescaled it to the layer's count, as here.
+    """
+    case = OracleCase(model_kwargs={"mtp_num_layers": 2}, per_token=per_token)
+    checks = check_layout(dist_pool, case, Layout(), 1, 1, ("token_mean", "sequence_mean", "off"))
+    if per_token and megatron_core_version() < Version("0.17"):
+        assert checks["off"]["error"] > 1e-4  # N instead of each layer's own count
+    else:
+        assert checks["off"]["error"] <= TOL, checks["off"]["error"]
+    assert_mtp_exact(checks, 2, "one rank", modes=("token_mean", "sequence_mean"))
+
+
+def test_zero_token_rank_and_microbatch_with_moe_and_mtp(dist_pool):
+    """DP2 x CP2 with MoE and 2 MTP layers; DP rank 0 holds no loss token at all (so both of its
+    CP ranks and all its micro-batches are empty): exact, finite, no hang."""
+    case = OracleCase(
+        model_kwargs={"no_attention": True, "num_experts": 4, "mtp_num_layers": 2},
+        zero_sequences=range(12),
+    )
+    checks = check_layout(dist_pool, case, Layout(cp=2), 4, 3, ("token_mean", "sequence_mean"))
+    for mode, check in checks.items():
+        grads = check["result"]["grads"]
+        assert all(torch.isfinite(g).all() for g in grads.values()), mode
+    assert_mtp_exact(checks, 2, "zero-token DP rank", modes=tuple(checks))
