@@ -61,9 +61,7 @@ LAYOUTS = {
     "ep2-m3": (Layout(ep=2), 2, 3, {"num_experts": 4}),
 }
 CASES = [
-    *[(name, 2, False) for name in LAYOUTS],
-    ("m4", 1, False),
-    ("cp2-m3", 1, False),
+    *[(name, layers, False) for layers in (1, 2) for name in LAYOUTS],
     ("m4", 2, True),
     ("pp2-m3", 2, True),
 ]
