@@ -42,6 +42,7 @@ MATRIX_TESTS = (
     "tests/test_megatron_averaging.py",
     "tests/test_invariance.py",
     "tests/test_hard_layouts.py",
+    "tests/test_mtp.py",
 )
 
 #: Megatron-LM tag whose own schedule tests run in each world (the oldest and newest supported).

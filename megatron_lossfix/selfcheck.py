@@ -408,8 +408,6 @@ def _split_dependent_features(config: Any) -> list[str]:
             found.append("MoE z-loss")
         if getattr(config, "moe_expert_capacity_factor", None) is not None:
             found.append("MoE expert capacity (token dropping)")
-    if getattr(config, "mtp_num_layers", None):
-        found.append("multi-token prediction loss")
     return found
 
 

@@ -157,6 +157,19 @@ def test_oracle_one_gpu_moe_alltoall_dispatcher(gpu_pool, bf16):
 
 
 @needs_cuda
+@pytest.mark.parametrize("bf16", DTYPES)
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean-path", "per-token-path"])
+def test_oracle_one_gpu_multi_token_prediction(gpu_pool, per_token, bf16):
+    """Two MTP layers, each normalized like the main loss (tests/test_mtp.py on CPU). Stock
+    per-token MTP already divides each layer by its own count (0.17+) and is close to the
+    token mean on one rank, so ``off`` is checked on Megatron's mean path only."""
+    case = OracleCase(per_token=per_token, model_kwargs={"mtp_num_layers": 2, "bf16": bf16})
+    name = f"mtp2 {'per-token ' if per_token else ''}{'bf16' if bf16 else 'fp32'} 1 GPU m4"
+    modes = ("token_mean", "sequence_mean") + (() if per_token else ("off",))
+    _check(gpu_pool, name, case, Layout(), 1, 4, modes)
+
+
+@needs_cuda
 def test_oracle_one_gpu_native_fused_cross_entropy(gpu_pool):
     """GPTModel's fused vocab-parallel cross entropy (``cross_entropy_fusion_impl='native'``,
     torch.compile'd; CUDA only here)."""

@@ -179,6 +179,12 @@ LAYOUTS = {
     "tp2": (2, 2, ["--tensor-model-parallel-size", "2"]),
     "pp2": (2, 2, ["--pipeline-model-parallel-size", "2"]),
 }
+#: model -> extra Megatron-LM flags. MTP models use RoPE: with learned positions, the last
+#: stage's copy of the position embedding (its MTP layers embed too) gets no gradient sync.
+MODELS = {
+    "dense": [],
+    "mtp2": ["--mtp-num-layers", "2", "--position-embedding-type", "rope"],
+}
 ITERS = 3
 REL = 1e-6
 
@@ -188,13 +194,13 @@ class _Runs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.copies: dict[str, tuple[Path, int, str, list[str]]] = {}
-        self.results: dict[tuple[str, str, str], list[dict]] = {}
+        self.copies: dict[tuple[str, str], tuple[Path, int, str, list[str]]] = {}
+        self.results: dict[tuple[str, str, str, str], list[dict]] = {}
 
-    def copy(self, checkout: str) -> tuple[Path, int, str, list[str]]:
+    def copy(self, checkout: str, model: str) -> tuple[Path, int, str, list[str]]:
         """The patched copy of ``checkout``, its EOD id, the prefix of its masked data and the
-        flags that load the initial weights every layout starts from."""
-        if checkout not in self.copies:
+        flags that load the initial weights every layout of ``model`` starts from."""
+        if (checkout, model) not in self.copies:
             from megatron_lossfix.testing.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
                 patched_copy,
@@ -207,26 +213,26 @@ class _Runs:
             copy = patched_copy(checkout, self.root / f"megatron-lm-{n}")
             eod = checkout_null_tokenizer_eod(copy)
             data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
-            args = tiny_gpt_args(micro_batch_size=1, data_path=data, eod=eod)
+            args = tiny_gpt_args(micro_batch_size=1, data_path=data, eod=eod) + MODELS[model]
             load = save_initial_checkpoint(copy, args, self.root / f"init-{n}")
-            self.copies[checkout] = (copy, eod, data, load)
-        return self.copies[checkout]
+            self.copies[checkout, model] = (copy, eod, data, load)
+        return self.copies[checkout, model]
 
-    def get(self, checkout: str, layout: str, mode: str) -> list[dict]:
+    def get(self, checkout: str, layout: str, mode: str, model: str = "dense") -> list[dict]:
         """Per iteration: the ``--lossfix-metrics-out`` record (``fix``: token_mean) or the
         logged line (``stock``: no flag at all, Megatron-LM as released)."""
-        key = (checkout, layout, mode)
+        key = (checkout, layout, mode, model)
         if key not in self.results:
             from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
 
-            copy, eod, data, load = self.copy(checkout)
+            copy, eod, data, load = self.copy(checkout, model)
             nproc, mbs, flags = (1, 1, []) if layout == "mb1" else LAYOUTS[layout]
             args = tiny_gpt_args(micro_batch_size=mbs, train_iters=ITERS, data_path=data, eod=eod)
-            args += load
+            args += MODELS[model] + load
             metrics = None
             if mode == "fix":
                 args += ["--loss-reduction", "token_mean", *flags]
-                metrics = self.root / f"{copy.name}-{layout}.jsonl"
+                metrics = self.root / f"{copy.name}-{layout}-{model}.jsonl"
             else:
                 args += [f for f in flags if not f.startswith("--lossfix")]
             result = run_pretrain_gpt(copy, args, nproc=nproc, metrics_out=metrics, timeout=3000)
@@ -245,13 +251,18 @@ def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
 
 @needs_megatron_lm
 @pytest.mark.parametrize("checkout", CHECKOUTS, ids=lambda p: Path(p).name)
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str, layout: str):
+def test_patched_pretrain_gpt_is_layout_invariant(
+    lm_runs: _Runs, checkout: str, layout: str, model: str
+):
     """1 rank x 8 micro-batches vs micro-batch 4 (with the runtime self-check), DP2, TP2, PP2 on
     data where about half the tokens are masked, every run starting from the same initial
-    weights: with ``--loss-reduction token_mean`` the loss and the grad norm of every iteration
-    agree to 1e-6; stock Megatron-LM's do not."""
-    reference, fixed = lm_runs.get(checkout, "mb1", "fix"), lm_runs.get(checkout, layout, "fix")
+    weights, for a dense model and one with 2 MTP layers (whose gradient the grad norm covers):
+    with ``--loss-reduction token_mean`` the loss and the grad norm of every iteration agree to
+    1e-6; stock Megatron-LM's do not."""
+    reference = lm_runs.get(checkout, "mb1", "fix", model)
+    fixed = lm_runs.get(checkout, layout, "fix", model)
     tokens = 8 * 64  # global batch x sequence length
     for a, b in zip(reference, fixed, strict=True):
         assert a["num_tokens"] == b["num_tokens"]
@@ -262,8 +273,9 @@ def test_patched_pretrain_gpt_is_layout_invariant(lm_runs: _Runs, checkout: str,
     fix_diff = max(max_rel_diff(reference, fixed, k) for k in ("loss", "grad_norm"))
     # Stock (no flag): the mean of per-micro-batch means moves the gradient with the layout. The
     # log prints the grad norm with 3 decimals: far more than that apart.
-    reference, stock = lm_runs.get(checkout, "mb1", "stock"), lm_runs.get(checkout, layout, "stock")
+    reference = lm_runs.get(checkout, "mb1", "stock", model)
+    stock = lm_runs.get(checkout, layout, "stock", model)
     assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)
     stock_diff = max(max_rel_diff(reference, stock, k) for k in ("lm_loss", "grad_norm"))
-    print(f"{Path(checkout).name} {layout}: token_mean max rel diff {fix_diff:.1e}, "
+    print(f"{Path(checkout).name} {model} {layout}: token_mean max rel diff {fix_diff:.1e}, "
           f"stock {stock_diff:.1e}")  # fmt: skip

@@ -177,7 +177,13 @@ def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model
         batch = _broadcast_first_stage_batch(data_iterator, broadcast_rows)
     else:
         batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        None,
+        labels=batch["labels"],
+        loss_mask=batch.get("loss_mask"),  # MTP layers read it inside the model
+    )
     if loss == "double":
         return output, partial(_double_scaled_loss, batch.get("loss_weights"))
     if loss == "mask_mean":
@@ -283,6 +289,7 @@ def _assert_passed(results: list[dict], plan_kind: str) -> None:
     assert results[0]["second_same"]
 
 
+ROPE = {"position_embedding_type": "rope"}
 PASSING = [
     # id, layout, world, micro-batches, options, expected plan
     ("dp2-m2", Layout(), 2, 2, {}, "split"),
@@ -294,6 +301,8 @@ PASSING = [
     ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),
     ("dp2-m2-per-token", Layout(), 2, 2, {"per_token": True}, "split"),
     ("tp2-m3", Layout(tp=2), 2, 3, {}, "split"),
+    # MTP losses are normalized like the main loss, so a re-split leaves them unchanged too.
+    ("pp2-m4-mtp2", Layout(pp=2), 2, 4, {"mtp_num_layers": 2, **ROPE}, "split"),
     # The first stage broadcasts fixed-shape batches over TP: only a shape-keeping re-split.
     ("tp2-pp2-m4-broadcast", Layout(tp=2, pp=2), 4, 4, {"broadcast": True}, "shuffle"),
 ]

@@ -387,7 +387,7 @@ def _capture_mtp_logits(model: Any, config: Any) -> Any:
         lambda _m, _i, out: seen.append(out[0].clone())
     )
     # Megatron attaches its own MTP loss with this class-wide backward scale: 0 here.
-    MTPLossAutoScaler.set_loss_scale(torch.zeros(1))
+    MTPLossAutoScaler.set_loss_scale(torch.zeros(1, device=next(model.parameters()).device))
 
     def logits() -> list[torch.Tensor]:
         handle.remove()
