@@ -1,7 +1,7 @@
-"""``SelfCheckingSchedule``: re-split plans, data re-splitting, and the check itself on the tiny
-GPT through real Megatron-Core schedules (pool ranks): it passes for the plugin's loss under DP,
-PP (1F1B and interleaved), the distributed optimizer, dropout and the per-token path, leaves
-training exactly as a run without it, and catches double-scaled losses on every rank."""
+"""``SelfCheckingSchedule`` on the tiny GPT through real Megatron-Core schedules (pool ranks): it
+passes for the plugin's loss under DP, PP (1F1B and interleaved), the distributed optimizer,
+dropout, the per-token path and MTP, leaves training exactly as a run without it, and catches
+double-scaled losses on every rank. The re-split plans are in test_resplit.py."""
 
 from __future__ import annotations
 
@@ -12,91 +12,10 @@ import pytest
 import torch
 
 from megatron_lossfix.args import add_lossfix_args
-from megatron_lossfix.selfcheck import (
-    ResplitPlan,
-    SelfCheckError,
-    SelfCheckingSchedule,
-    resplit,
-    resplit_plan,
-    with_self_check,
-)
+from megatron_lossfix.selfcheck import SelfCheckError, SelfCheckingSchedule, with_self_check
 from megatron_lossfix.testing.tiny_gpt import Layout
 
-# ------------------------------------------------------------------------------ plans and data
-
-
-@pytest.mark.parametrize(
-    "m, mbs, kwargs, want",
-    [
-        (2, 6, {}, ResplitPlan("split", 2, 4, 3)),
-        (3, 1, {}, ResplitPlan("merge", 3, 1, 3)),
-        (4, 1, {}, ResplitPlan("merge", 2, 2, 2)),
-        (2, 3, {}, ResplitPlan("split", 2, 4, None)),  # uneven halves: fine without PP
-        (8, 3, {"pipeline_size": 2}, ResplitPlan("merge", 2, 4, 6)),  # PP keeps one shape
-        (2, 3, {"pipeline_size": 2, "interleaved_group": 2}, ResplitPlan("shuffle", 1, 2, None)),
-        (4, 6, {"keep_shapes": True}, ResplitPlan("shuffle", 1, 4, None)),
-        (1, 1, {}, None),
-        (1, 3, {"pipeline_size": 2}, None),
-    ],
-)
-def test_resplit_plan(m, mbs, kwargs, want):
-    assert resplit_plan(m, mbs, **kwargs) == want
-
-
-def _batches(sizes: list[int]) -> list[dict]:
-    start, out = 0, []
-    for n in sizes:
-        rows = torch.arange(start, start + n)
-        out.append(
-            {
-                "tokens": rows[:, None].expand(n, 4).clone(),
-                "loss_mask": torch.ones(n, 4),
-                "position_ids": torch.arange(4)[None, :],  # broadcast: shared, not per row
-                "tag": "x",
-            }
-        )
-        start += n
-    return out
-
-
-def _rows(batches: list[dict]) -> list[int]:
-    return [int(r) for b in batches for r in b["tokens"][:, 0]]
-
-
-@pytest.mark.parametrize(
-    "sizes, plan, want_sizes",
-    [
-        ([4, 4], ResplitPlan("split", 2, 4, 2), [2, 2, 2, 2]),
-        ([3, 2], ResplitPlan("split", 2, 4, None), [1, 2, 1, 1]),
-        ([2, 2, 2, 2], ResplitPlan("merge", 2, 2, 4), [4, 4]),
-        ([3, 3, 3], ResplitPlan("shuffle", 1, 3, None), [3, 3, 3]),
-    ],
-)
-def test_resplit_keeps_every_row_once(sizes, plan, want_sizes):
-    before = _batches(sizes)
-    after = resplit(before, plan)
-    assert [len(b["tokens"]) for b in after] == want_sizes
-    assert sorted(_rows(after)) == _rows(before)
-    shared = before[0]["position_ids"]
-    assert all(torch.equal(b["position_ids"], shared) and b["tag"] == "x" for b in after)
-    if plan.kind == "shuffle":  # every new micro-batch mixes rows of several old ones
-        assert all(len({r // 3 for r in _rows([b])}) > 1 for b in after)
-
-
-def test_resplit_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="1 row"):
-        resplit(_batches([1, 1]), ResplitPlan("split", 2, 4, None))
-    with pytest.raises(ValueError, match="only dict"):
-        resplit([(torch.ones(2),)], ResplitPlan("merge", 2, 1, None))
-    uneven = _batches([2, 2])
-    uneven[1]["tag"] = "y"
-    with pytest.raises(ValueError, match="'tag' differs"):
-        resplit(uneven, ResplitPlan("merge", 2, 1, None))
-    packed = _batches([2, 2])
-    for b in packed:
-        b["cu_seqlens"] = torch.tensor([0, 4, 8])
-    with pytest.raises(ValueError, match="packed"):
-        resplit(packed, ResplitPlan("split", 2, 4, None))
+# ------------------------------------------------------------------------------ skipping
 
 
 class _FakeSchedule:
