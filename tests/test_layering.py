@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "rl_losses": MATH,
     "logprobs": MATH,
     "datasets": MATH,
+    "resplit": MATH,
     # Megatron glue
     "megatron_compat": GLUE,
     "metrics": GLUE,
