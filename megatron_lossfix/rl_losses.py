@@ -6,8 +6,9 @@ per-token ``weights`` -- never a mean. Regularizers (KL, entropy) use the same w
 objective is invariant to how the mini-batch is split over micro-batches and ranks.
 
 Statistics are returned as 0-dim tensors that are plain sums (or min / max), named by how they
-reduce across ranks (``*_sum`` and ``*_count`` sum, ``*_min`` min, ``*_max`` max; see
-:func:`stat_reduce_op`). Nothing here calls ``.item()`` or branches on tensor values, so the hot
+reduce across ranks: ``*_sum`` and ``*_count`` sum, ``*_min`` min, ``*_max`` max, the rule that
+``step_metrics()`` applies (:mod:`megatron_lossfix.metrics`; it leaves ``num_tokens`` out and
+counts tokens itself). Nothing here calls ``.item()`` or branches on tensor values, so the hot
 path never synchronizes with the device.
 """
 
@@ -25,7 +26,6 @@ __all__ = [
     "ppo_token_loss",
     "rl_objective",
     "scale_advantages",
-    "stat_reduce_op",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -295,17 +295,6 @@ def rl_objective(
         "num_tokens": fmask.sum(),
     }
     return weighted_sum, {k: v.detach().float() for k, v in stats.items()}
-
-
-def stat_reduce_op(name: str) -> str:
-    """How a stat of :func:`rl_objective` combines across ranks: ``"sum"``, ``"min"``, ``"max"``."""
-    if name.endswith("_min"):
-        return "min"
-    if name.endswith("_max"):
-        return "max"
-    if name.endswith(("_sum", "_count")) or name == "num_tokens":
-        return "sum"
-    raise ValueError(f"unknown stat {name!r}")
 
 
 def grpo_advantages(
