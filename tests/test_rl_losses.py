@@ -22,6 +22,7 @@ from megatron_lossfix.rl_losses import (
     gspo_token_loss,
     kl_penalty,
     ppo_token_loss,
+    rl_loss,
     rl_objective,
     scale_advantages,
 )
@@ -424,6 +425,49 @@ def test_rl_objective_all_masked_is_zero_without_nan():
         assert total == 0 and (grad_of(total, x) == 0).all()
         assert stats["num_tokens"] == 0 and stats["ratio_min"] == math.inf
         assert stats["ratio_max"] == -math.inf and stats["pg_loss_sum"] == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rl_loss_is_rl_objective_on_the_logits(temperature):
+    """The Megatron loss_func: log-probs and entropy of softmax(logits / T) at the labels (plain
+    log_softmax here), on-policy tokens (has_old_logprobs 0) at ratio 1, Megatron's 3-tuple."""
+    gen = torch.Generator().manual_seed(11)
+    b, s, vocab = 3, 5, 17
+    logits = torch.randn(b, s, vocab, generator=gen, dtype=torch.float64).float()
+    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    mask = (torch.rand(b, s, generator=gen) < 0.7).float()
+    batch = {
+        "labels": labels,
+        "loss_mask": mask,
+        "loss_weights": mask * torch.rand(b, s, generator=gen),
+        "old_logprobs": -torch.rand(b, s, generator=gen) - 2.0,
+        "ref_logprobs": -torch.rand(b, s, generator=gen) - 2.0,
+        "advantages": torch.randn(b, generator=gen),
+        "has_old_logprobs": (torch.arange(s) % 2).expand(b, s).float(),
+    }
+    objective = {"kl_coef": 0.1, "entropy_coef": 0.01, "eps_high": EPS_HIGH}
+    x, xr = leaf(logits), leaf(logits)
+    loss, num_tokens, stats = rl_loss(batch, x, temperature=temperature, objective=objective)
+    logp_all = torch.log_softmax(xr.double() / temperature, dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    old = torch.where(batch["has_old_logprobs"] > 0, batch["old_logprobs"].double(), logp.detach())
+    want, want_stats = rl_objective(
+        logp,
+        old,
+        batch["advantages"].double(),
+        batch["loss_weights"].double(),
+        mask,
+        ref_logprobs=batch["ref_logprobs"].double(),
+        entropy=entropy,
+        **objective,
+    )
+    assert_close(loss, want, (1e-6, 1e-5), "rl_loss value")
+    assert_close(grad_of(loss, x), grad_of(want, xr), (1e-6, 1e-5), "rl_loss gradient")
+    assert num_tokens.dtype == torch.int32 and int(num_tokens) == int((mask != 0).sum())
+    assert set(stats) == set(want_stats)
+    for name, value in stats.items():
+        assert_close(value, want_stats[name], (1e-5, 1e-5), f"rl_loss stat {name}")
 
 
 # ---------------------------------------------------------------------------------------------
