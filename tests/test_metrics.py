@@ -10,6 +10,7 @@ covered by the layout tests (``tests/test_invariance.py``, ``tests/test_rl_invar
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -140,6 +141,18 @@ def test_packed_sequences_are_counted_by_segment():
     state.segments = [(segments, 4)]
     got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
     assert_metrics(got, {"loss": 0.25, "num_tokens": 5.0, "num_sequences": 3.0})
+
+
+def test_each_mtp_layer_reports_the_sum_of_its_shares():
+    masks = make_masks()
+    state = state_for("token_mean", masks, contributions=[torch.tensor(0.5)] * len(masks))
+    shares = [[torch.tensor(0.25), torch.tensor(-0.125)], [torch.tensor(2.0)], []]
+    state.mtp = SimpleNamespace(contributions=shares)  # metrics reads only the shares
+    got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
+    tokens, sequences = ref_counts(masks)
+    want = {"loss": 0.5 * len(masks), "num_tokens": tokens, "num_sequences": sequences}
+    want |= {f"mtp_loss_{j + 1}": sum(float(x) for x in layer) for j, layer in enumerate(shares)}
+    assert_metrics(got, want)
 
 
 def stock_loss(losses: list[float], tokens: list[int | None], dp: int, cp: int) -> list:
