@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import build_model, init_distributed, positive_int
+from common import add_common_args, build_model, init_distributed, positive_int
 
 from megatron_lossfix import REDUCTIONS, LossFixConfig, LossFixSchedule, weighted_loss
 from megatron_lossfix.cpu_compat import quiet_repeated_megatron_warnings
@@ -106,10 +106,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--phase", choices=phases, help="internal: what this process does (default: driver)")
     add("--variant", default=None, help="internal: the memory phase's variant")
     add("--result-out", default=None, help="internal: where a worker writes its JSON result")
-    # What common.build_model reads besides the flags above.
-    p.set_defaults(num_experts=None, moe_aux_loss_coeff=0.0, no_attention=False)
-    p.set_defaults(transformer_impl="local")
     args = p.parse_args(argv)
+    # common.build_model reads more model flags than these: the others at common's defaults.
+    common = argparse.ArgumentParser()
+    add_common_args(common)
+    args = argparse.Namespace(**{**vars(common.parse_args([])), **vars(args)})
     args.phase = args.phase or ("time" if "LOCAL_RANK" in os.environ else "driver")
     names = [n for n in args.variants.split(",") if n]
     if set(names) - set(VARIANTS):
