@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["token_cross_entropy", "weighted_loss", "weighted_sum"]
+__all__ = ["weighted_loss", "weighted_sum"]
 
 
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -41,18 +41,3 @@ def weighted_loss(
     loss = weighted_sum(output_tensor, weights)
     num_tokens = (weights != 0).sum(dtype=torch.int)
     return loss, num_tokens, {}
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy ``[batch, seq]`` from vocab-parallel logits ``[seq, batch, V/TP]``
-    (Megatron's layout), exactly as ``GPTModel.compute_language_model_loss`` computes it: the
-    max and sum-exp are reduced over the tensor-parallel group."""
-    from megatron.core import tensor_parallel
-
-    if logits.dim() != 3 or labels.shape != logits.shape[1::-1]:
-        raise ValueError(
-            f"expected logits [seq, batch, vocab/TP] and labels [batch, seq], got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
-    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
-    return loss.t().contiguous()
