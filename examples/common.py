@@ -49,6 +49,7 @@ __all__ = [
     "build_model",
     "check_launch",
     "data_log_items",
+    "init_distributed",
     "one_line_errors",
     "positive_int",
 ]
@@ -379,7 +380,7 @@ def data_log_items(stats: DataStats) -> list[tuple[str, str]]:
     return items
 
 
-def _init_distributed() -> str:
+def init_distributed() -> str:
     """Start torch.distributed from torchrun's environment; bridge Megatron to CPU if needed."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
@@ -437,7 +438,7 @@ class ExampleRun:
         config = from_args(args) or LossFixConfig(reduction="token_mean")
         # Before Megatron is imported: some of its fallback warnings fire at import time.
         quiet_repeated_megatron_warnings()
-        backend = _init_distributed()
+        backend = init_distributed()
 
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -588,9 +589,11 @@ def build_model(
     layout: Layout,
     tokenizer: ByteTokenizer,
     calculate_per_token_loss: bool = False,
+    bf16: bool = False,
 ) -> tuple[list, Any]:
     """This rank's GPT chunks (Megatron DDP) from the model flags, with the global weights that
-    ``--seed`` gives under any layout, so runs can be compared step by step."""
+    ``--seed`` gives under any layout, so runs can be compared step by step. ``bf16``:
+    Megatron-LM's ``--bf16`` (bf16 model in Float16Module, fp32 main gradients)."""
     chunks, model_config = build_tiny_gpt(
         layout,
         num_layers=args.num_layers,
@@ -606,6 +609,7 @@ def build_model(
         no_attention=args.no_attention,
         calculate_per_token_loss=calculate_per_token_loss,
         transformer_impl=args.transformer_impl,
+        bf16=bf16,
     )
     set_deterministic_params(chunks, args.seed)
     return chunks, model_config

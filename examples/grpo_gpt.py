@@ -19,10 +19,11 @@ Where the rollouts come from:
   end-of-text leaves the rest at 0). The initial model scores about 0.1; with the default flags
   it reaches about 1.0 in 150 iterations (about 2 minutes on 2 CPU cores).
 
-Per micro-batch the model returns logits (no labels), ``vocab_parallel_logprobs_entropy`` turns
-them into the target log-probs and entropies (TP-correct), and ``rl_objective`` returns the
-weighted sum ``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` with the plugin's weights, so
-every term is normalized once, globally. Each iteration logs one line like Megatron-LM and, with
+Per micro-batch the model returns logits (no labels) and the loss function is
+``megatron_lossfix.rl_losses.rl_loss``: ``vocab_parallel_logprobs_entropy`` turns the logits into
+the target log-probs and entropies (TP-correct), and ``rl_objective`` returns the weighted sum
+``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` with the plugin's weights, so every term is
+normalized once, globally. Each iteration logs one line like Megatron-LM and, with
 ``--metrics-out``, appends one JSON object (rank 0): docs/design.md §5's fields plus pg_loss, kl
 (null without a reference), entropy (weighted like the loss), clip_frac_low/high and
 dual_clip_frac (per loss token), ratio_mean/min/max and, when sampling, reward_mean,
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from megatron_lossfix.datasets import ByteTokenizer, iter_jsonl, microbatches
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages, rl_objective
+from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages, rl_loss
 
 # `common` sits beside this script: on sys.path when the script runs as a file, but not when a
 # test imports the script by path.
@@ -376,40 +377,26 @@ def forward_step(ctx: LossContext, data_iterator, model):
         batch = slice_batch_for_cp(batch, ctx.cp_group)
     # Without labels GPTModel returns the vocab-parallel logits [b, s, V/TP].
     output = model(batch["tokens"], batch["position_ids"], None)
-    return output, partial(rl_loss, ctx, batch)
-
-
-def rl_loss(ctx: LossContext, batch: dict, logits: torch.Tensor, **_: Any) -> tuple:
-    """Megatron loss_func: ``(sum(w * objective), loss tokens on this rank, stats)``; the stats
-    are sums / min / max that ``step_metrics`` reduces over DP x CP."""
     args = ctx.args
-    logits = logits.float()
-    if args.temperature != 1.0:
-        logits = logits / args.temperature  # the policy that sampled is softmax(logits / T)
-    logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, batch["labels"], tp_group=ctx.tp_group
-    )
-    # On-policy tokens (no recorded old log-prob) take the current one, detached: ratio 1.
-    old = torch.where(batch["has_old_logprobs"] > 0, batch["old_logprobs"], logprobs.detach())
-    weights = batch["loss_weights"]
-    loss, stats = rl_objective(
-        logprobs,
-        old,
-        batch["advantages"],
-        weights,
-        batch["loss_mask"],
-        policy_loss=args.policy_loss,
-        eps_low=args.clip_eps_low,
-        eps_high=args.clip_eps_high,
-        dual_clip_c=args.dual_clip_c,
-        ref_logprobs=batch.get("ref_logprobs"),
-        kl_coef=args.kl_coef,
-        kl_kind=args.kl_estimator,
-        entropy=entropy,
-        entropy_coef=args.entropy_coef,
+    objective = {
+        "policy_loss": args.policy_loss,
+        "eps_low": args.clip_eps_low,
+        "eps_high": args.clip_eps_high,
+        "dual_clip_c": args.dual_clip_c,
+        "kl_coef": args.kl_coef,
+        "kl_kind": args.kl_estimator,
+        "entropy_coef": args.entropy_coef,
+    }
+    # (sum(w * objective), loss tokens on this rank, stats that step_metrics reduces)
+    loss_func = partial(
+        rl_loss,
+        batch,
+        tp_group=ctx.tp_group,
         cp_group=ctx.cp_group,
+        temperature=args.temperature,
+        objective=objective,
     )
-    return loss, (weights != 0).sum(dtype=torch.int), stats
+    return output, loss_func
 
 
 def rl_metrics(metrics: dict, reduction: str, has_ref: bool) -> dict:

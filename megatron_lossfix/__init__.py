@@ -16,7 +16,6 @@ from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.losses import weighted_loss, weighted_sum
-from megatron_lossfix.megatron_compat import token_cross_entropy
 from megatron_lossfix.reduction import REDUCTIONS, loss_weights
 from megatron_lossfix.rl_losses import grpo_advantages, rl_objective, scale_advantages
 from megatron_lossfix.schedule import LossFixSchedule, StepRefused
@@ -35,7 +34,6 @@ __all__ = [
     "rl_objective",
     "scale_advantages",
     "schedule_from_args",
-    "token_cross_entropy",
     "vocab_parallel_logprobs_entropy",
     "weighted_loss",
     "weighted_sum",

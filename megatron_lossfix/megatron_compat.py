@@ -13,8 +13,7 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
   :func:`null_tokenizer_eod` asks the installed class.
 
 Also here, because the math layer (``reduction``, ``losses``, ...) never imports Megatron: the
-step's process groups (:func:`resolve_groups`) and Megatron's vocab-parallel cross entropy as a
-``[batch, seq]`` per-token loss (:func:`token_cross_entropy`).
+step's process groups (:func:`resolve_groups`).
 
 Megatron is imported inside the functions, so importing this module stays cheap. A release
 outside the tested range warns once (:func:`warn_if_untested`) and names the command that
@@ -31,7 +30,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from packaging.version import Version
 
@@ -44,7 +42,6 @@ __all__ = [
     "resolve_groups",
     "schedule_for",
     "slice_batch_for_cp",
-    "token_cross_entropy",
     "warn_if_untested",
 ]
 
@@ -179,21 +176,6 @@ def schedule_for(model: Any, pp_group: dist.ProcessGroup | None) -> Callable[...
     chunks = len(model) if isinstance(model, list) else 1
     vp_size = chunks if pp_size > 1 and chunks > 1 else None
     return get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy ``[batch, seq]`` from vocab-parallel logits ``[seq, batch, V/TP]``
-    (Megatron's layout), exactly as ``GPTModel.compute_language_model_loss`` computes it: the
-    max and sum-exp are reduced over the tensor-parallel group."""
-    from megatron.core import tensor_parallel
-
-    if logits.dim() != 3 or labels.shape != logits.shape[1::-1]:
-        raise ValueError(
-            f"expected logits [seq, batch, vocab/TP] and labels [batch, seq], got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
-    loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous())
-    return loss.t().contiguous()
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """Apply, check and revert our patch of a Megatron-LM checkout.
 
     python -m megatron_lossfix.patches apply  PATH_TO_MEGATRON_LM
-    python -m megatron_lossfix.patches check  PATH_TO_MEGATRON_LM   (alias: status)
+    python -m megatron_lossfix.patches check  PATH_TO_MEGATRON_LM
     python -m megatron_lossfix.patches revert PATH_TO_MEGATRON_LM
     python -m megatron_lossfix.patches list
 
@@ -314,7 +314,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("apply", "apply the patch (no-op when already applied)"),
         ("revert", "revert the patch (no-op when not applied)"),
         ("check", "report the state: exit 0 applied, 1 not applied, 2 cannot apply"),
-        ("status", "same as check"),
     ):
         p = sub.add_parser(command, help=help_text)
         p.add_argument("path", type=Path, help="root of the Megatron-LM checkout")

@@ -6,12 +6,16 @@ per-token ``weights`` -- never a mean. Regularizers (KL, entropy) use the same w
 objective is invariant to how the mini-batch is split over micro-batches and ranks.
 
 Statistics are returned as 0-dim tensors that are plain sums (or min / max), named by how they
-reduce across ranks (``*_sum`` and ``*_count`` sum, ``*_min`` min, ``*_max`` max; see
-:func:`stat_reduce_op`). Nothing here calls ``.item()`` or branches on tensor values, so the hot
+reduce across ranks: ``*_sum`` and ``*_count`` sum, ``*_min`` min, ``*_max`` max, the rule that
+``step_metrics()`` applies (:mod:`megatron_lossfix.metrics`; it leaves ``num_tokens`` out and
+counts tokens itself). Nothing here calls ``.item()`` or branches on tensor values, so the hot
 path never synchronizes with the device.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +27,9 @@ __all__ = [
     "grpo_advantages",
     "kl_penalty",
     "ppo_token_loss",
+    "rl_loss",
     "rl_objective",
     "scale_advantages",
-    "stat_reduce_op",
 ]
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -297,15 +301,50 @@ def rl_objective(
     return weighted_sum, {k: v.detach().float() for k, v in stats.items()}
 
 
-def stat_reduce_op(name: str) -> str:
-    """How a stat of :func:`rl_objective` combines across ranks: ``"sum"``, ``"min"``, ``"max"``."""
-    if name.endswith("_min"):
-        return "min"
-    if name.endswith("_max"):
-        return "max"
-    if name.endswith(("_sum", "_count")) or name == "num_tokens":
-        return "sum"
-    raise ValueError(f"unknown stat {name!r}")
+def rl_loss(
+    batch: Mapping[str, torch.Tensor],
+    logits: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
+    objective: Mapping[str, Any] | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron ``loss_func`` of :func:`rl_objective` for ``GPTModel``'s vocab-parallel logits
+    ``[b, s, V/TP]`` (the model called without labels). Bind all but the output first:
+    ``partial(rl_loss, batch, tp_group=..., cp_group=..., objective={"kl_coef": 0.1, ...})``.
+
+    ``batch`` holds ``labels``, ``loss_mask``, ``loss_weights`` (the plugin's weights; stock
+    Megatron code passes the loss mask), ``old_logprobs`` and ``advantages``; optionally
+    ``ref_logprobs`` (for a KL term) and ``has_old_logprobs`` (0 where no old log-prob was
+    recorded: the current one, detached, stands in, ratio 1). Log-probs and entropies come from
+    :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy` of ``logits /
+    temperature`` (TP-correct); ``objective`` holds the other keyword arguments of
+    :func:`rl_objective`. Returns Megatron's 3-tuple ``(sum(w * objective), loss tokens on this
+    rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.
+    """
+    from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
+
+    if temperature != 1.0:
+        logits = logits.float() / temperature  # the policy that sampled is softmax(logits / T)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, batch["labels"], tp_group=tp_group)
+    old = batch["old_logprobs"]
+    if "has_old_logprobs" in batch:
+        old = torch.where(batch["has_old_logprobs"] > 0, old, logprobs.detach())
+    weights = batch["loss_weights"]
+    loss, stats = rl_objective(
+        logprobs,
+        old,
+        batch["advantages"],
+        weights,
+        batch["loss_mask"],
+        ref_logprobs=batch.get("ref_logprobs"),
+        entropy=entropy,
+        cp_group=cp_group,
+        **(objective or {}),
+    )
+    return loss, (weights != 0).sum(dtype=torch.int), stats
 
 
 def grpo_advantages(

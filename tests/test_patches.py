@@ -178,7 +178,10 @@ def test_command_line_exit_codes(
     assert patches.main(["apply", str(tree)]) == 0
     assert patches.main(["apply", str(tree)]) == 0
     assert "already applied" in capsys.readouterr().out
-    assert patches.main(["status", str(tree)]) == 0
+    assert patches.main(["check", str(tree)]) == 0
+    with pytest.raises(SystemExit):  # the old `status` alias of check is gone
+        patches.main(["status", str(tree)])
+    assert "invalid choice: 'status'" in capsys.readouterr().err
     assert patches.main(["revert", str(tree)]) == 0
     assert patches.main(["check", str(tree.parent / "nowhere")]) == 2
     assert "error:" in capsys.readouterr().err

@@ -152,25 +152,16 @@ def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch
     """The full RL objective of one micro-batch: (weighted sum, num_tokens, stats)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
-    from megatron_lossfix.rl_losses import rl_objective
+    from megatron_lossfix.rl_losses import rl_loss
 
-    tp = ps.get_tensor_model_parallel_group()
     cp = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, batch["labels"], tp_group=tp)
-    loss, stats = rl_objective(
-        logprobs,
-        batch["old_logprobs"],
-        batch["advantages"],
-        weights,
-        batch["loss_mask"],
-        policy_loss=case.objective,
-        ref_logprobs=batch["ref_logprobs"],
-        entropy=entropy,
+    return rl_loss(
+        {**batch, "loss_weights": weights},
+        logits,
+        tp_group=ps.get_tensor_model_parallel_group(),
         cp_group=cp,
-        **case.rl_kwargs,
+        objective={"policy_loss": case.objective, **case.rl_kwargs},
     )
-    return loss, (weights != 0).sum(dtype=torch.int), stats
 
 
 def _forward_step(case: OracleCase, data_iterator: Any, model: Any) -> tuple:

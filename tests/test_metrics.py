@@ -1,0 +1,228 @@
+"""megatron_lossfix.metrics vs plain-PyTorch references written beside them.
+
+One rank, no process groups (``StepGroups`` of ``None``: nothing is communicated), so the
+functions are pure: a step's recorded state in, the step's numbers out. The references are
+written from the rules in metrics.py's docstring and from stock Megatron's averaging, with
+explicit loops and no code shared with the module. The reductions over ranks themselves are
+covered by the layout tests (``tests/test_invariance.py``, ``tests/test_rl_invariance.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.metrics import _scalar_stats, _stock_contributions, reduce_step_metrics
+from megatron_lossfix.schedule import StepGroups, _StepState
+
+NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
+# Micro-batch masks of odd shapes; one holds no loss token, one row of another is empty.
+MASK_SHAPES = [(3, 7), (1, 5), (2, 1), (4, 3)]
+
+
+def make_masks(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    masks = [(torch.rand(s, generator=gen) < 0.5).float() for s in MASK_SHAPES]
+    masks[0][1] = 0.0  # an empty sequence
+    masks[2].zero_()  # a micro-batch without loss tokens
+    masks[3][0, 0] = 1.0
+    return masks
+
+
+def make_reports(num: int, seed: int = 1) -> list:
+    """RL-style reports: sums, counts, min and max, and entries metrics must leave out."""
+    gen = torch.Generator().manual_seed(seed)
+    reports = []
+    for _ in range(num):
+        r = lambda: torch.randn((), generator=gen, dtype=torch.float64).float()  # noqa: E731
+        reports.append(
+            {
+                "pg_loss_sum": r(),
+                "clip_low_count": r().abs().round(),
+                "ratio_max": r(),
+                "ratio_min": r().reshape(1),  # a one-element tensor counts as a scalar
+                "num_tokens": r(),  # no known suffix: left out
+                "lm loss": torch.stack([r(), r()]),  # no known suffix: left out
+                "vector_sum": torch.randn(2, generator=gen),  # not one element: left out
+                "python_sum": 1.5,  # not a tensor: left out
+            }
+        )
+    reports.append(torch.zeros(()))  # a report that is not a mapping: skipped
+    return reports
+
+
+def ref_reduced_stats(reports: list) -> dict[str, float]:
+    """sum of *_sum / *_count, max of *_max, min of *_min over the micro-batches' reports."""
+    out: dict[str, float] = {}
+    for report in reports:
+        if not isinstance(report, dict):
+            continue
+        for key, value in report.items():
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                continue
+            v = float(value.reshape(()))
+            if key.endswith(("_sum", "_count")):
+                out[key] = out.get(key, 0.0) + v
+            elif key.endswith("_max"):
+                out[key] = max(out.get(key, -math.inf), v)
+            elif key.endswith("_min"):
+                out[key] = min(out.get(key, math.inf), v)
+    return out
+
+
+def ref_counts(masks: list[torch.Tensor]) -> tuple[float, float]:
+    """N (loss tokens) and S (sequences with at least one loss token), by loops."""
+    tokens = sequences = 0
+    for mask in masks:
+        for row in mask.tolist():
+            n = sum(1 for x in row if x != 0)
+            tokens += n
+            sequences += n > 0
+    return float(tokens), float(sequences)
+
+
+def state_for(reduction: str, masks: list[torch.Tensor], **fields) -> _StepState:
+    fields.setdefault("per_token", False)
+    fields.setdefault("passthrough", reduction == "off")
+    return _StepState(
+        reduction=reduction,
+        groups=NO_GROUPS,
+        num_microbatches=len(masks),
+        masks=masks,
+        segments=[(None, None)] * len(masks),
+        **fields,
+    )
+
+
+def assert_metrics(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key  # losses are fp32
+
+
+def test_scalar_stats_keeps_one_element_tensors_with_a_known_suffix():
+    reports = make_reports(3)
+    stats = _scalar_stats(reports)
+    assert sorted(stats) == ["clip_low_count", "pg_loss_sum", "ratio_max", "ratio_min"]
+    for key, values in stats.items():
+        assert len(values) == 3
+        for value, report in zip(values, reports, strict=False):
+            assert value.dtype == torch.float64 and value.dim() == 0 and not value.requires_grad
+            assert float(value) == float(report[key].reshape(()))
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
+def test_plugin_mode_metrics_match_reference(reduction):
+    masks = make_masks()
+    gen = torch.Generator().manual_seed(5)
+    # The plugin records each micro-batch's share of the loss, already normalized.
+    contributions = [torch.randn((), generator=gen) for _ in masks]
+    reports = make_reports(len(masks))
+    state = state_for(reduction, masks, contributions=contributions, reports=reports)
+    got = reduce_step_metrics(state, LossFixConfig(reduction=reduction))
+    tokens, sequences = ref_counts(masks)
+    want = {
+        "loss": sum(float(c) for c in contributions),
+        "num_tokens": tokens,
+        "num_sequences": sequences,
+        **ref_reduced_stats(reports),
+    }
+    assert_metrics(got, want)
+
+
+def test_packed_sequences_are_counted_by_segment():
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0]])
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 3, 3]])  # segment 1 holds no loss token
+    state = state_for("token_mean", [mask], contributions=[torch.tensor(0.25)])
+    state.segments = [(segments, 4)]
+    got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
+    assert_metrics(got, {"loss": 0.25, "num_tokens": 5.0, "num_sequences": 3.0})
+
+
+def test_each_mtp_layer_reports_the_sum_of_its_shares():
+    masks = make_masks()
+    state = state_for("token_mean", masks, contributions=[torch.tensor(0.5)] * len(masks))
+    shares = [[torch.tensor(0.25), torch.tensor(-0.125)], [torch.tensor(2.0)], []]
+    state.mtp = SimpleNamespace(contributions=shares)  # metrics reads only the shares
+    got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
+    tokens, sequences = ref_counts(masks)
+    want = {"loss": 0.5 * len(masks), "num_tokens": tokens, "num_sequences": sequences}
+    want |= {f"mtp_loss_{j + 1}": sum(float(x) for x in layer) for j, layer in enumerate(shares)}
+    assert_metrics(got, want)
+
+
+def stock_loss(losses: list[float], tokens: list[int | None], dp: int, cp: int) -> list:
+    """Stock Megatron's share of each micro-batch in this rank's loss: the per-micro-batch token
+    mean over M micro-batches and D data-parallel ranks (the 2-tuple: the loss over M and D;
+    CP ranks each hold a shard of the tokens and their losses add up)."""
+    m = len(losses)
+    out = []
+    for loss, n in zip(losses, tokens, strict=True):
+        if n is None:
+            out.append(loss / (m * dp))
+        else:
+            out.append(loss / max(n, 1) / (m * dp * cp))
+    return out
+
+
+@pytest.mark.parametrize("dp, cp", [(1, 1), (2, 1), (3, 2)])
+def test_stock_contributions_match_megatrons_averaging(dp, cp):
+    losses = [3.0, 0.0, 7.5, 1.25]
+    tokens = [4, 0, None, 5]  # an empty micro-batch and a 2-tuple (no token count)
+    state = state_for("off", make_masks())
+    state.raw = [
+        (torch.tensor(x), None if n is None else torch.tensor(n))
+        for x, n in zip(losses, tokens, strict=True)
+    ]
+    got = _stock_contributions(state, (len(losses), dp, cp))
+    want = stock_loss(losses, tokens, dp, cp)
+    assert [float(x) for x in got] == pytest.approx(want, rel=1e-6)  # fp32 losses
+
+
+def test_off_reports_stock_megatrons_loss():
+    masks = make_masks()
+    losses = [2.0, 0.5, 0.0, 4.0]
+    tokens = [int(m.sum()) for m in masks]
+    raw = [(torch.tensor(x), torch.tensor(n)) for x, n in zip(losses, tokens, strict=True)]
+    reports = make_reports(len(masks))
+    state = state_for("off", masks, raw=raw, reports=reports)
+    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
+    n, s = ref_counts(masks)
+    want = {"loss": sum(stock_loss(losses, tokens, 1, 1)), "num_tokens": n, "num_sequences": s}
+    assert_metrics(got, {**want, **ref_reduced_stats(reports)})
+
+
+def test_off_per_token_loss_is_the_token_sum_over_n():
+    masks = make_masks()
+    losses = [2.0, 0.5, 0.0, 4.0]
+    raw = [
+        (torch.tensor(x), torch.tensor(int(m.sum()))) for x, m in zip(losses, masks, strict=True)
+    ]
+    state = state_for("off", masks, raw=raw, per_token=True)
+    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
+    n, s = ref_counts(masks)
+    assert_metrics(got, {"loss": sum(losses) / n, "num_tokens": n, "num_sequences": s})
+
+
+def test_off_leaves_out_what_the_step_did_not_show():
+    masks = make_masks()
+    # A loss that was no tensor: the step's loss is unknown; the counts still come from masks.
+    raw = [(torch.tensor(1.0), torch.tensor(3)), (None, None)]
+    got = reduce_step_metrics(state_for("off", masks[:2], raw=raw), LossFixConfig(reduction="off"))
+    n, s = ref_counts(masks[:2])
+    assert_metrics(got, {"num_tokens": n, "num_sequences": s})
+    # No usable mask: tokens come from the loss tuples, sequences are unknown.
+    raw = [(torch.tensor(1.0), torch.tensor(3)), (torch.tensor(2.0), torch.tensor(5))]
+    state = state_for("off", [], raw=raw, unmasked=2)
+    state.num_microbatches = 2
+    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
+    assert_metrics(got, {"loss": (1.0 / 3 + 2.0 / 5) / 2, "num_tokens": 8.0})
+
+
+def test_metrics_before_any_step_are_refused():
+    with pytest.raises(ValueError, match="no step has run yet"):
+        reduce_step_metrics(None, LossFixConfig(reduction="token_mean"))
