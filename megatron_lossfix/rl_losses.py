@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
+
 __all__ = [
     "KL_KINDS",
     "POLICY_LOSSES",
@@ -324,8 +326,6 @@ def rl_loss(
     :func:`rl_objective`. Returns Megatron's 3-tuple ``(sum(w * objective), loss tokens on this
     rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.
     """
-    from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
-
     if temperature != 1.0:
         logits = logits.float() / temperature  # the policy that sampled is softmax(logits / T)
     logprobs, entropy = vocab_parallel_logprobs_entropy(logits, batch["labels"], tp_group=tp_group)
