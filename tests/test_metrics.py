@@ -16,8 +16,13 @@ import pytest
 import torch
 
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.metrics import _scalar_stats, _stock_contributions, reduce_step_metrics
-from megatron_lossfix.schedule import StepGroups, _StepState
+from megatron_lossfix.megatron_compat import StepGroups
+from megatron_lossfix.metrics import (
+    StepState,
+    _scalar_stats,
+    _stock_contributions,
+    reduce_step_metrics,
+)
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 # Micro-batch masks of odd shapes; one holds no loss token, one row of another is empty.
@@ -85,10 +90,10 @@ def ref_counts(masks: list[torch.Tensor]) -> tuple[float, float]:
     return float(tokens), float(sequences)
 
 
-def state_for(reduction: str, masks: list[torch.Tensor], **fields) -> _StepState:
+def state_for(reduction: str, masks: list[torch.Tensor], **fields) -> StepState:
     fields.setdefault("per_token", False)
     fields.setdefault("passthrough", reduction == "off")
-    return _StepState(
+    return StepState(
         reduction=reduction,
         groups=NO_GROUPS,
         num_microbatches=len(masks),
