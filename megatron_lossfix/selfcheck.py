@@ -25,8 +25,9 @@ weights -- changes the gradient under the re-split. A constant factor does not, 
 With dropout the comparison runs twice more in eval mode (dropout masks cannot match across
 splits); the kept gradient is still the normal, training-mode one. Costs one or two extra
 forward/backward passes and one gradient copy, once. Skipped with a warning: ``off`` and
-``token_mean_legacy`` (split-dependent by definition), MoE auxiliary/z losses, expert capacity and
-MTP (batch-composition dependent by design, docs/design.md §1).
+``token_mean_legacy`` (split-dependent by definition), MoE auxiliary/z losses and expert
+capacity (batch-composition dependent by design, docs/design.md §1). MTP losses are normalized
+like the main loss, so they are checked too.
 
 Wire it from flags with :func:`with_self_check` (``--lossfix-self-check``).
 """
@@ -345,7 +346,8 @@ class SelfCheckingSchedule:
         if features:
             return (
                 f"the model uses {', '.join(features)}, whose gradient depends on the batch "
-                "composition by design (docs/design.md §1)"
+                "composition by design (they are nonlinear in it; Megatron keeps them per "
+                "micro-batch)"
             )
         return None
 

@@ -74,9 +74,13 @@ def _reset_megatron_state() -> None:
     """Drop process-global Megatron state that refers to the process groups just destroyed."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     parallel_state.destroy_model_parallel()
     get_moe_layer_wise_logging_tracker().clear()
+    # Megatron's MTP loss tracker is sized by the first MTP model's layer count: a later model
+    # with more MTP layers would index past it.
+    MTPLossLoggingHelper.tracker = {}
 
 
 def _error_report(exc: BaseException) -> tuple[bytes, str, float]:
