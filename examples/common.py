@@ -139,7 +139,7 @@ def one_line_errors(prog: str) -> Iterator[None]:
         rank = dist.get_rank()
         # Raised on every rank at once: the self-check verdict is all-reduced, and the plugin's
         # "problem on another rank" points at the rank that prints its own error.
-        shared = isinstance(exc, SelfCheckError) or type(exc).__name__ == "_ProblemOnAnotherRank"
+        shared = isinstance(exc, SelfCheckError) or type(exc).__name__ == "ProblemOnAnotherRank"
         if rank == 0:
             _print_error(prog, _describe(exc))
         elif not shared:

@@ -53,6 +53,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.agreement import (
+    DISAGREE,
+    LOSS_FUNC,
+    MALFORMED,
+    MASK_VALUES,
+    MTP_PROBLEM,
+    NO_ITERATOR,
+    NOT_DICT,
+    OTHER,
+    RAN_OUT,
+    SLOT_FP,
+    SLOT_FP2,
+    SLOT_KIND0,
+    SLOT_N,
+    SLOT_PROBLEMS,
+    SLOT_RANK_SUM,
+    SLOT_S,
+    UNREADABLE,
+    VECTOR_LEN,
+    LocalProblem,
+    StepRefused,
+    agreement_vector,
+    default_device,
+    refuse_hybrid_cp,
+    refuse_sharded_mtp,
+    verdict,
+)
 from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.megatron_compat import (
     StepGroups,
@@ -66,7 +93,6 @@ from megatron_lossfix.metrics import StepState, reduce_step_metrics
 from megatron_lossfix.mtp import MTPStep, active, install_hooks
 from megatron_lossfix.reduction import (
     StepCounts,
-    bad_mask_message,
     bad_mask_values,
     count_tokens,
     float_masks,
@@ -75,101 +101,6 @@ from megatron_lossfix.reduction import (
 )
 
 __all__ = ["LossFixSchedule", "StepGroups", "StepRefused", "resolve_groups"]
-
-
-class StepRefused(ValueError):
-    """Raised on every rank of a step the plugin refused (see the message for why).
-
-    On the rank whose data caused it the message says exactly what is wrong; on its peers (the
-    other data- and context-parallel ranks and the other pipeline stages) it names that rank and
-    the kind of problem."""
-
-
-class _ProblemOnAnotherRank(StepRefused):
-    """Raised on the ranks whose own data was fine when another rank of the step refused."""
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# ---------------------------------------------------------------------- the step's agreement
-# What a rank can report, one slot each in the agreement vector (several ranks may report).
-_KINDS: tuple[str, ...] = (
-    "the loss stage has no data iterator",
-    "the loss stage's data iterator could not be read",
-    "the loss stage's data iterator ran out before num_microbatches",
-    "a micro-batch is not a dict holding the loss mask",
-    "a loss mask is malformed",
-    "a loss mask holds values other than 0 and 1",
-    "an error while preparing the step",
-    "ranks disagree on the loss reduction or calculate_per_token_loss",
-    "the loss function failed or returned what the plugin cannot use",
-    "the multi-token prediction loss could not be normalized",
-)
-(
-    _NO_ITERATOR, _UNREADABLE, _RAN_OUT, _NOT_DICT, _MALFORMED, _MASK_VALUES, _OTHER, _DISAGREE,
-    _LOSS_FUNC, _MTP,
-) = range(len(_KINDS))  # fmt: skip
-# Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
-# (global rank + 1), one count per kind], then N and S of each MTP layer's shifted masks.
-# float64: exact for counts below 2**53.
-_N, _S, _FP, _FP2, _PROBLEMS, _RANK_SUM, _KIND0 = range(7)
-VECTOR_LEN = _KIND0 + len(_KINDS)
-_PREFIX = "megatron_lossfix refused this step: "
-
-
-def _refuse_hybrid_cp(chunk: Any) -> None:
-    """Megatron 0.19's hybrid context parallelism calls forward_step once per sub-sample, so
-    neither the pre-pass (one batch per micro-batch) nor the x num_microbatches compensation
-    holds there. The setting is the same on every rank: each raises here, before any
-    collective."""
-    try:
-        from megatron.core.utils import get_model_config
-
-        config = get_model_config(chunk)
-    except Exception:  # noqa: BLE001 - no config to read: not hybrid CP
-        return
-    if getattr(config, "hybrid_context_parallel", False):
-        raise StepRefused(
-            f"{_PREFIX}hybrid context parallelism (hybrid_context_parallel=True) runs "
-            "forward_step once per sub-sample, which the plugin's modes do not cover; use "
-            "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
-            "per-token mode is the exact token mean)"
-        )
-
-
-def _refuse_sharded_mtp(mtp_layers: int, config: LossFixConfig) -> None:
-    """MTP layers read the loss mask of later positions, which CP shards from the data
-    iterator do not hold; the setting is the same on every rank: each raises, before any
-    collective."""
-    if mtp_layers and config.data_is_cp_sharded:
-        raise StepRefused(
-            f"{_PREFIX}multi-token prediction (mtp_num_layers={mtp_layers}) needs whole "
-            "sequences from the data iterator (data_is_cp_sharded=False): slice them for "
-            "context parallelism in forward_step"
-        )
-
-
-def _agreement_vector(
-    problem: _LocalProblem | None, rank: int, device: torch.device, mtp_layers: int = 0
-) -> torch.Tensor:
-    """A zero agreement vector carrying this rank's problem, if any (plus two slots for the
-    counts of each MTP layer)."""
-    vec = torch.zeros(VECTOR_LEN + 2 * mtp_layers, dtype=torch.float64, device=device)
-    if problem is not None:
-        vec[_PROBLEMS], vec[_RANK_SUM], vec[_KIND0 + problem.kind] = 1.0, rank + 1.0, 1.0
-    return vec
-
-
-class _LocalProblem(Exception):
-    """This rank's reason to refuse the step (raised and caught inside the plugin)."""
-
-    def __init__(self, kind: int, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class _StepIterator:
@@ -380,13 +311,13 @@ class LossFixSchedule:
         cfg = self.config
         self.last_step = None  # a refused step leaves no metrics behind
         chunks = model if isinstance(model, list) else [model]
-        _refuse_hybrid_cp(chunks[0])
+        refuse_hybrid_cp(chunks[0])
         if kwargs.get("pg_collection") is None and self._pg_collection is not None:
             kwargs["pg_collection"] = self._pg_collection
         groups = resolve_groups(kwargs.get("pg_collection"))
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
 
-        problem: _LocalProblem | None = None
+        problem: LocalProblem | None = None
         per_token = False
         mtp_layers = 0
         batches: list = []
@@ -399,23 +330,21 @@ class LossFixSchedule:
             model_config = get_model_config(chunks[0])
             per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
             mtp_layers = int(getattr(model_config, "mtp_num_layers", None) or 0)
-            _refuse_sharded_mtp(mtp_layers, cfg)
+            refuse_sharded_mtp(mtp_layers, cfg)
             if groups.is_last_stage:
                 batches, masks, segments = self._read_step(iterators[-1], num_microbatches)
                 if mtp_layers and any(seg is not None for seg, _ in segments):
-                    raise _LocalProblem(
-                        _MTP,
+                    raise LocalProblem(
+                        MTP_PROBLEM,
                         "packed micro-batches (cu_seqlens) with multi-token prediction: the "
                         "plugin normalizes MTP layers over whole rows only",
                     )
         except StepRefused:
             raise
-        except _LocalProblem as exc:
+        except LocalProblem as exc:
             problem = exc
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
-            problem = _LocalProblem(
-                _OTHER, f"preparing the step raised {type(exc).__name__}: {exc}"
-            )
+            problem = LocalProblem(OTHER, f"preparing the step raised {type(exc).__name__}: {exc}")
             problem.__cause__ = exc
 
         passthrough = per_token and cfg.reduction == "token_mean"
@@ -472,10 +401,10 @@ class LossFixSchedule:
     ) -> tuple[list, list[torch.Tensor], list]:
         """The loss stage's micro-batches, their float masks and packed-sequence segments.
 
-        Raises ``_LocalProblem`` naming what is wrong; the caller shares it with every rank."""
+        Raises ``LocalProblem`` naming what is wrong; the caller shares it with every rank."""
         if source is None:
-            raise _LocalProblem(
-                _NO_ITERATOR,
+            raise LocalProblem(
+                NO_ITERATOR,
                 "the last pipeline stage needs a data iterator: it holds the loss (got None)",
             )
         batches = []
@@ -483,8 +412,8 @@ class LossFixSchedule:
             try:
                 batches.append(next(source))
             except StopIteration:
-                raise _LocalProblem(
-                    _RAN_OUT,
+                raise LocalProblem(
+                    RAN_OUT,
                     f"the data iterator ran out after {k} micro-batches but "
                     f"num_microbatches={num_microbatches}",
                 ) from None
@@ -494,8 +423,8 @@ class LossFixSchedule:
                     if not hasattr(source, "__next__")
                     else ""
                 )
-                problem = _LocalProblem(
-                    _UNREADABLE,
+                problem = LocalProblem(
+                    UNREADABLE,
                     f"reading micro-batch {k} from the data iterator raised "
                     f"{type(exc).__name__}: {exc}{hint}",
                 )
@@ -505,12 +434,12 @@ class LossFixSchedule:
             try:
                 raw_masks.append(self._mask_of(batch, k))
             except ValueError as exc:
-                raise _LocalProblem(_NOT_DICT, str(exc)) from None
+                raise LocalProblem(NOT_DICT, str(exc)) from None
         try:
             masks = float_masks(raw_masks)
             segments = [self._segments_of(b, masks[k], k) for k, b in enumerate(batches)]
         except ValueError as exc:
-            raise _LocalProblem(_MALFORMED, str(exc)) from None
+            raise LocalProblem(MALFORMED, str(exc)) from None
         return batches, masks, segments
 
     def _fingerprint(self, per_token: bool) -> float:
@@ -523,7 +452,7 @@ class LossFixSchedule:
         per_token: bool,
         masks: list[torch.Tensor],
         segments: list,
-        problem: _LocalProblem | None,
+        problem: LocalProblem | None,
         mtp_masks: list[list[torch.Tensor]] = (),
         mtp_layers: int = 0,
     ) -> tuple[StepCounts | None, list[StepCounts]]:
@@ -541,11 +470,11 @@ class LossFixSchedule:
         cfg = self.config
         # On the accelerator whatever device the masks are on: NCCL reduces CUDA tensors only,
         # and every stage must bring the same kind of tensor to the pipeline all-reduce.
-        device = _default_device()
+        device = default_device()
         fp = self._fingerprint(per_token)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        vec = _agreement_vector(problem, rank, device, mtp_layers)
-        vec[_FP], vec[_FP2] = fp, fp * fp
+        vec = agreement_vector(problem, rank, device, mtp_layers)
+        vec[SLOT_FP], vec[SLOT_FP2] = fp, fp * fp
 
         local_counts = bad = None
         mtp_local: list[StepCounts] = []
@@ -557,12 +486,12 @@ class LossFixSchedule:
                 if cfg.validate:
                     bad = bad_mask_values(masks)
                     flagged = bad.any().to(device=device, dtype=torch.float64)
-                    vec[_PROBLEMS] += flagged
-                    vec[_RANK_SUM] += flagged * (rank + 1)
-                    vec[_KIND0 + _MASK_VALUES] += flagged
+                    vec[SLOT_PROBLEMS] += flagged
+                    vec[SLOT_RANK_SUM] += flagged * (rank + 1)
+                    vec[SLOT_KIND0 + MASK_VALUES] += flagged
                 if not sharded_cp:
                     local_counts = self._count(masks, segments, None)
-                    vec[_N], vec[_S] = local_counts.num_tokens, local_counts.num_sequences
+                    vec[SLOT_N], vec[SLOT_S] = local_counts.num_tokens, local_counts.num_sequences
                     mtp_local = [self._count(m, segments, None) for m in mtp_masks]
                     for j, layer in enumerate(mtp_local):
                         vec[VECTOR_LEN + 2 * j] = layer.num_tokens
@@ -570,18 +499,18 @@ class LossFixSchedule:
             vec = self._reduce(vec, groups.dp_cp)
             # Disagreement inside the group becomes a problem that every stage hears of.
             n = float(groups.dp_cp_size)
-            disagree = (vec[_FP] * vec[_FP] != n * vec[_FP2]).to(vec.dtype)
-            vec[_KIND0 + _DISAGREE] += disagree
-            vec[_PROBLEMS] += disagree
-            vec[_FP], vec[_FP2] = fp, fp * fp
-            if sharded_cp and problem is None and vec[_PROBLEMS].item() == 0:
+            disagree = (vec[SLOT_FP] * vec[SLOT_FP] != n * vec[SLOT_FP2]).to(vec.dtype)
+            vec[SLOT_KIND0 + DISAGREE] += disagree
+            vec[SLOT_PROBLEMS] += disagree
+            vec[SLOT_FP], vec[SLOT_FP2] = fp, fp * fp
+            if sharded_cp and problem is None and vec[SLOT_PROBLEMS].item() == 0:
                 local_counts = self._count(masks, segments, groups.cp)
                 totals = torch.stack([local_counts.num_tokens, local_counts.num_sequences])
                 totals = self._reduce(totals.to(device), groups.dp)
-                vec[_N], vec[_S] = totals[0] * groups.cp_size, totals[1] * groups.cp_size
+                vec[SLOT_N], vec[SLOT_S] = totals[0] * groups.cp_size, totals[1] * groups.cp_size
         if groups.pp_size > 1:
             vec = self._reduce(vec, groups.pp)
-        self._verdict(vec.tolist(), groups, per_token, problem, bad)
+        verdict(vec.tolist(), groups, self.config.reduction, per_token, problem, bad)
         if local_counts is None:
             return None, []
         # Every CP rank holds the same sequences (whole, or after the CP sum of shards).
@@ -598,7 +527,7 @@ class LossFixSchedule:
             )
 
         layers = [totals(VECTOR_LEN + 2 * j, c) for j, c in enumerate(mtp_local)]
-        return totals(_N, local_counts), layers
+        return totals(SLOT_N, local_counts), layers
 
     def _agree_after(self, groups: StepGroups, state: StepState) -> None:
         """Refuse the step on every rank if the loss stage hit an error inside the schedule.
@@ -614,14 +543,14 @@ class LossFixSchedule:
         if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
             return  # nobody to tell, nothing to tell: no device sync
         rank = dist.get_rank() if dist.is_initialized() else 0
-        vec = _agreement_vector(problem, rank, _default_device())
+        vec = agreement_vector(problem, rank, default_device())
         if groups.is_last_stage:
             vec = self._reduce(vec, groups.dp_cp)
         vec = self._reduce(vec, groups.pp)
         values = vec.tolist()  # fingerprints stay 0: no disagreement to find here
-        if values[_PROBLEMS] > 0:
+        if values[SLOT_PROBLEMS] > 0:
             self.last_step = None
-            self._verdict(values, groups, bool(state.per_token), problem, None)
+            verdict(values, groups, self.config.reduction, bool(state.per_token), problem, None)
 
     @staticmethod
     def _count(
@@ -641,38 +570,6 @@ class LossFixSchedule:
         if group_size(group) > 1:
             dist.all_reduce(vec, group=group)
         return vec
-
-    def _verdict(
-        self,
-        values: list[float],
-        groups: StepGroups,
-        per_token: bool,
-        problem: _LocalProblem | None,
-        bad: torch.Tensor | None,
-    ) -> None:
-        """Raise on this rank if any rank of the step refused it (``values``: the reduced
-        agreement vector, on the host)."""
-        stages_differ = values[_FP] ** 2 != groups.pp_size * values[_FP2]
-        if stages_differ or values[_KIND0 + _DISAGREE] > 0:
-            where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
-            raise StepRefused(
-                f"{_PREFIX}{where} disagree on the loss reduction or calculate_per_token_loss "
-                f"(this rank: {self.config.reduction!r}, per-token={per_token}); give every "
-                "rank the same --loss-reduction"
-            )
-        if values[_PROBLEMS] <= 0:
-            return
-        if problem is not None:
-            raise StepRefused(f"{_PREFIX}{problem}") from problem.__cause__
-        if bad is not None and bool(bad.any()):
-            raise StepRefused(_PREFIX + bad_mask_message(int(bad.nonzero()[0, 0])))
-        kinds = [_KINDS[i] for i in range(len(_KINDS)) if values[_KIND0 + i] > 0]
-        count = int(values[_PROBLEMS])
-        who = f"global rank {int(values[_RANK_SUM]) - 1}" if count == 1 else f"{count} ranks"
-        raise _ProblemOnAnotherRank(
-            f"{_PREFIX}{'; '.join(kinds)} (reported by {who}; see its error for the details); "
-            "every rank of the step stops"
-        )
 
     # ------------------------------------------------------------------ batches
     def _mask_of(self, batch: Any, k: int) -> torch.Tensor:
@@ -762,7 +659,7 @@ class LossFixSchedule:
                 output, loss_func = forward_step_func(data_iterator, model, *args)
             k = step_iter.index
             if state.mtp is not None and state.mtp.problem and state.problem is None:
-                state.problem = _LocalProblem(_MTP, state.mtp.problem)
+                state.problem = LocalProblem(MTP_PROBLEM, state.mtp.problem)
 
             def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
                 if state.problem is not None:
@@ -781,7 +678,7 @@ class LossFixSchedule:
                     message = f"{type(exc).__name__}: {exc}"
                     if f"micro-batch {k}" not in message:
                         message = f"micro-batch {k}: {message}"
-                    state.problem = _LocalProblem(_LOSS_FUNC, message)
+                    state.problem = LocalProblem(LOSS_FUNC, message)
                     state.problem.__cause__ = exc
                     return self._zero_loss(output_tensor, state)
 
@@ -875,7 +772,7 @@ class LossFixSchedule:
         if isinstance(output_tensor, torch.Tensor) and output_tensor.is_floating_point():
             zero = (output_tensor * 0).sum().float()
         else:
-            zero = torch.zeros((), device=_default_device())
+            zero = torch.zeros((), device=default_device())
         if state.per_token:
             return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
         return zero, {}

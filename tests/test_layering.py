@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "resplit": MATH,
     # Megatron glue
     "megatron_compat": GLUE,
+    "agreement": GLUE,
     "metrics": GLUE,
     "mtp": GLUE,
     "schedule": GLUE,

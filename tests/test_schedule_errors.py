@@ -98,7 +98,7 @@ def _run(pool, *args, world=2, **kwargs):
 
 # ---------------------------------------------------------------- cross-rank problems
 REFUSED = "StepRefused"  # the rank whose data is at fault
-PEER = "_ProblemOnAnotherRank"  # every other rank of the step (a StepRefused too)
+PEER = "ProblemOnAnotherRank"  # every other rank of the step (a StepRefused too)
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def test_refusal_on_the_loss_stage_reaches_every_rank(dist_pool, case):
         if rank == 3:
             assert kind == "StepRefused" and own in message, results
         else:
-            assert kind == "_ProblemOnAnotherRank", (rank, results)
+            assert kind == "ProblemOnAnotherRank", (rank, results)
             assert others in message and "reported by global rank 3" in message, (rank, results)
 
 
