@@ -75,10 +75,12 @@ CASES = [
 def test_mtp_gradient_is_layout_invariant(dist_pool, name, layers, per_token):
     layout, world, m, model_kwargs = LAYOUTS[name]
     case = OracleCase(model_kwargs={**model_kwargs, "mtp_num_layers": layers}, per_token=per_token)
-    checks = check_layout(dist_pool, case, layout, world, m, MODES)
+    # One MTP layer: the modes with global counts and stock; two layers: every mode.
+    modes = MODES if layers > 1 else ("token_mean", "sequence_mean", "off")
+    checks = check_layout(dist_pool, case, layout, world, m, modes)
     print(f"\nMTP oracle {name} mtp{layers}{' per-token' if per_token else ''}: "
-          + ", ".join(f"{mode} {checks[mode]['error']:.2e}" for mode in MODES))  # fmt: skip
-    assert_mtp_exact(checks, layers, name)
+          + ", ".join(f"{mode} {checks[mode]['error']:.2e}" for mode in modes))  # fmt: skip
+    assert_mtp_exact(checks, layers, name, modes=[mode for mode in modes if mode != "off"])
     # Stock Megatron averages each MTP layer per micro-batch and rank (and, under CP, misses
     # the CP factor): the same check fails.
     assert checks["off"]["error"] > 1e-4, checks["off"]["error"]
