@@ -380,7 +380,7 @@ class LossFixSchedule:
             )
             if mtp_layers:
                 state.mtp = self._mtp_step(
-                    mtp_masks, mtp_counts, chunks[0], groups, state, step_iter
+                    mtp_masks, mtp_counts, model_config, groups, state, step_iter
                 )
             iterators = [*iterators[:-1], step_iter]
             wrapped_step = self._wrap_forward_step(
@@ -690,16 +690,14 @@ class LossFixSchedule:
         self,
         mtp_masks: list[list[torch.Tensor]],
         mtp_counts: list[StepCounts],
-        chunk: Any,
+        model_config: Any,
         groups: StepGroups,
         state: StepState,
         step_iter: _StepIterator,
     ) -> MTPStep:
         """Each MTP layer's weights: the mode over the layer's shifted masks with their global
         counts, times what undoes Megatron's averaging of the MTP loss, sliced for CP."""
-        from megatron.core.utils import get_model_config
-
-        cfg, config = self.config, get_model_config(chunk)
+        cfg = self.config
         install_hooks()
         if state.per_token:
             # finalize_model_grads divides every gradient by the all-reduced num_tokens, N.
@@ -720,7 +718,7 @@ class LossFixSchedule:
         return MTPStep(
             weights=weights,
             factor=factor,
-            scale=float(config.mtp_loss_scaling_factor) / len(weights),
+            scale=float(model_config.mtp_loss_scaling_factor) / len(weights),
             microbatch=lambda: step_iter.index,
         )
 
