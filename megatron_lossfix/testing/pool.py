@@ -99,7 +99,50 @@ def _error_report(exc: BaseException) -> tuple[bytes, str, float]:
     return blob, tb, time.time()
 
 
-def _teardown() -> None:
+def _thread_count() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux
+        return None
+
+
+def _release_stale_graphs() -> None:
+    """Free the autograd graphs that outlived their task, and with them the models and groups.
+
+    A tensor that still has a graph after its task finished keeps the graph's nodes alive. Those
+    reach the parameters' gradient accumulators, whose DDP hooks reach the model: when the
+    model itself holds such a tensor -- Megatron's MoE token dispatchers keep the last forward's
+    routing probabilities (`local_probs`) -- the cycle runs through C++ autograd nodes that
+    Python's collector cannot see into. The model then outlives its task, and with it every
+    process group it names, each with its gloo threads: workers that ran a few hundred MoE tasks
+    held thousands of threads, and the kernel time spent on them slowed the suite several-fold.
+    Detaching every such tensor in place cuts the cycle; views (which cannot be detached in place)
+    are dropped from the module attributes that hold them.
+    """
+    import torch
+
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            try:
+                obj.detach_()
+            except RuntimeError:  # a view
+                pass
+        elif isinstance(obj, torch.nn.Module):
+            # The module and the plain helper objects it owns (dispatchers are not modules).
+            holders = [obj] + [
+                v
+                for v in vars(obj).values()
+                if hasattr(v, "__dict__")
+                and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+            ]
+            for holder in holders:
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        holder.__dict__[name] = None
+    gc.collect()
+
+
+def _teardown(threads_before: int | None) -> None:
     import torch.distributed as dist
 
     gc.collect()  # free cycles that still reference process groups before destroying them
@@ -109,6 +152,11 @@ def _teardown() -> None:
         if dist.is_initialized():
             # Closing our sockets also unblocks peers still waiting on us after a failure.
             dist.destroy_process_group()
+    # New threads that outlive the task mean process groups that did (see above). Checking
+    # first keeps the full object scan off the common path.
+    threads = _thread_count()
+    if threads is None or threads_before is None or threads > threads_before:
+        _release_stale_graphs()
 
 
 def _backend(world_size: int, cuda: bool) -> str:
@@ -144,6 +192,7 @@ def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
     import torch.distributed as dist
 
     world_size, store_path, payload = task
+    threads_before = _thread_count()
     try:
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
@@ -160,7 +209,7 @@ def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         out = ("err", *_error_report(exc))
     finally:
-        _teardown()
+        _teardown(threads_before)
     try:
         return pickle.dumps(out)
     except Exception as exc:  # the result itself did not pickle
