@@ -134,7 +134,7 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
 def test_enable_disable_bridge_is_idempotent_and_reversible():
     """enable_bridge twice, then disable_bridge, leaves Bridge's own functions in place."""
     script = """
-from megatron_lossfix.cpu_compat import enable_cpu_bridge
+from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
 enable_cpu_bridge()
 from megatron.bridge.training import train
 from megatron_lossfix import LossFixConfig
