@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.cpu_compat import enable_cpu_bridge
+from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
 from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records
 
 

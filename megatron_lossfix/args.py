@@ -24,6 +24,82 @@ from megatron_lossfix.selfcheck import with_self_check
 __all__ = ["add_lossfix_args", "from_args", "schedule_from_args"]
 
 
+#: The flags, in the order ``--help`` lists them: (flag, ``add_argument`` keywords).
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--loss-reduction",
+        dict(
+            choices=MODES,
+            default=None,
+            help="how the step's loss is normalized: token_mean (every loss token equal), "
+            "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
+            "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
+            "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
+        ),
+    ),
+    (
+        "--loss-norm-constant",
+        dict(
+            type=float,
+            default=None,
+            help="C of seq_mean_token_sum_norm: the loss is sum over sequences of the token sum "
+            "divided by (number of sequences x C); e.g. the maximum response length. Must be > 0.",
+        ),
+    ),
+    (
+        "--lossfix-check-finite",
+        dict(
+            action="store_true",
+            help="raise, naming the micro-batch and tensor, when a micro-batch input "
+            "(advantages, log-probs, ...), its loss or a report entry is NaN or Inf (device "
+            "syncs per micro-batch: for debugging).",
+        ),
+    ),
+    (
+        "--lossfix-no-validate",
+        dict(
+            action="store_true",
+            help="skip the per-step checks that loss masks hold only 0 and 1 and that all "
+            "data-parallel ranks use the same reduction (saves one device sync per step).",
+        ),
+    ),
+    (
+        "--lossfix-self-check",
+        dict(
+            action="store_true",
+            help="at the first training step, re-run the same data split into different "
+            "micro-batches and raise if the gradient changes (catches loss functions that "
+            "normalize twice or ignore the plugin's weights); costs one or two extra "
+            "forward/backward passes once. Needs --loss-reduction. Wire it with "
+            "megatron_lossfix.selfcheck.with_self_check(schedule, args).",
+        ),
+    ),
+    (
+        "--lossfix-self-check-tolerance",
+        dict(
+            type=float,
+            default=1e-5,
+            help="largest relative L2 gradient change --lossfix-self-check accepts (default "
+            "1e-5 for fp32; use about 1e-2 with bf16/fp16 compute).",
+        ),
+    ),
+)
+
+#: Only in the patched Megatron-LM ``pretrain_gpt.py``: the example scripts have ``--metrics-out``.
+_MEGATRON_LM_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--lossfix-metrics-out",
+        dict(
+            default=None,
+            metavar="PATH",
+            help="with --loss-reduction: write one JSON line per training iteration (last "
+            "rank): iteration, loss (L, full precision), lm_loss (what Megatron-LM logs), "
+            "grad_norm, num_tokens, num_sequences, step_time_s.",
+        ),
+    ),
+)
+
+
 def add_lossfix_args(
     parser: argparse.ArgumentParser, *, megatron_lm: bool = False
 ) -> argparse.ArgumentParser:
@@ -35,60 +111,8 @@ def add_lossfix_args(
     group = parser.add_argument_group(
         "megatron_lossfix", "exact, layout-invariant loss normalization"
     )
-    group.add_argument(
-        "--loss-reduction",
-        choices=MODES,
-        default=None,
-        help="how the step's loss is normalized: token_mean (every loss token equal), "
-        "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
-        "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
-        "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
-    )
-    group.add_argument(
-        "--loss-norm-constant",
-        type=float,
-        default=None,
-        help="C of seq_mean_token_sum_norm: the loss is sum over sequences of the token sum "
-        "divided by (number of sequences x C); e.g. the maximum response length. Must be > 0.",
-    )
-    group.add_argument(
-        "--lossfix-check-finite",
-        action="store_true",
-        help="raise, naming the micro-batch and tensor, when a micro-batch input (advantages, "
-        "log-probs, ...), its loss or a report entry is NaN or Inf (device syncs per "
-        "micro-batch: for debugging).",
-    )
-    group.add_argument(
-        "--lossfix-no-validate",
-        action="store_true",
-        help="skip the per-step checks that loss masks hold only 0 and 1 and that all "
-        "data-parallel ranks use the same reduction (saves one device sync per step).",
-    )
-    group.add_argument(
-        "--lossfix-self-check",
-        action="store_true",
-        help="at the first training step, re-run the same data split into different "
-        "micro-batches and raise if the gradient changes (catches loss functions that "
-        "normalize twice or ignore the plugin's weights); costs one or two extra "
-        "forward/backward passes once. Needs --loss-reduction. Wire it with "
-        "megatron_lossfix.selfcheck.with_self_check(schedule, args).",
-    )
-    group.add_argument(
-        "--lossfix-self-check-tolerance",
-        type=float,
-        default=1e-5,
-        help="largest relative L2 gradient change --lossfix-self-check accepts (default 1e-5 "
-        "for fp32; use about 1e-2 with bf16/fp16 compute).",
-    )
-    if megatron_lm:
-        group.add_argument(
-            "--lossfix-metrics-out",
-            default=None,
-            metavar="PATH",
-            help="with --loss-reduction: write one JSON line per training iteration (last "
-            "rank): iteration, loss (L, full precision), lm_loss (what Megatron-LM logs), "
-            "grad_norm, num_tokens, num_sequences, step_time_s.",
-        )
+    for flag, options in _FLAGS + (_MEGATRON_LM_FLAGS if megatron_lm else ()):
+        group.add_argument(flag, **options)
     return parser
 
 

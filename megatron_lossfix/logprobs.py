@@ -48,6 +48,36 @@ def _tp_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def _chunk_stats(
+    z: torch.Tensor,
+    local_idx: torch.Tensor,
+    in_range: torch.Tensor,
+    scratch: torch.Tensor,
+    acc: torch.dtype,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, ...]:
+    """Per token of one chunk of logits ``z``: the row max m and, over the whole (TP-reduced)
+    vocabulary, sum exp(z - m), sum exp(z - m) (z - m) and the target's z - m (0 off this rank)."""
+    m = z.amax(dim=-1).to(acc)
+    if tp_group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    # The single fp32 chunk buffer: x = z - m, then e = exp(x), then e * x. Using
+    # e * log(e) == e * x lets us reuse the buffer instead of keeping x and e side by side;
+    # underflowed e == 0 gives 0 through xlogy, which is the exact limit.
+    buf = torch.sub(z, m[:, None], out=scratch[: z.shape[0]])
+    buf.exp_()
+    sum_e = buf.sum(dim=-1)
+    buf.xlogy_(buf)
+    sum_ex = buf.sum(dim=-1)
+    x_t = z.gather(-1, local_idx[:, None]).squeeze(-1).to(acc) - m
+    x_t = torch.where(in_range, x_t, torch.zeros_like(x_t))
+    if tp_group is not None:
+        stats = torch.stack([sum_e, sum_ex, x_t])
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+        sum_e, sum_ex, x_t = stats.unbind(0)
+    return m, sum_e, sum_ex, x_t
+
+
 class _LogprobsEntropy(torch.autograd.Function):
     """Target log-prob and entropy of softmax(logits) over a (possibly TP-sharded) vocabulary."""
 
@@ -89,24 +119,14 @@ class _LogprobsEntropy(torch.autograd.Function):
         scratch = torch.empty(min(chunk_size, n_tok), vocab, dtype=acc, device=logits.device)
         for start in range(0, n_tok, chunk_size):
             sl = slice(start, min(start + chunk_size, n_tok))
-            z = z2d[sl]
-            m = z.amax(dim=-1).to(acc)
-            if distributed:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            # The single fp32 chunk buffer: x = z - m, then e = exp(x), then e * x. Using
-            # e * log(e) == e * x lets us reuse the buffer instead of keeping x and e side by side;
-            # underflowed e == 0 gives 0 through xlogy, which is the exact limit.
-            buf = torch.sub(z, m[:, None], out=scratch[: z.shape[0]])
-            buf.exp_()
-            sum_e = buf.sum(dim=-1)
-            buf.xlogy_(buf)
-            sum_ex = buf.sum(dim=-1)
-            x_t = z.gather(-1, local_idx[sl, None]).squeeze(-1).to(acc) - m
-            x_t = torch.where(in_range[sl], x_t, torch.zeros_like(x_t))
-            if distributed:
-                stats = torch.stack([sum_e, sum_ex, x_t])
-                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
-                sum_e, sum_ex, x_t = stats.unbind(0)
+            m, sum_e, sum_ex, x_t = _chunk_stats(
+                z2d[sl],
+                local_idx[sl],
+                in_range[sl],
+                scratch,
+                acc,
+                tp_group if distributed else None,
+            )
             row_max[sl] = m
             log_s[sl] = sum_e.log()
             mean_x[sl] = sum_ex / sum_e

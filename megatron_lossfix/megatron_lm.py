@@ -15,8 +15,8 @@ The patch itself stays a handful of lines; the code lives here:
   ``[contribution, indicator]``: the contributions add up to the step's loss L (docs/design.md
   §2) and the indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged
   ``lm loss`` is L.
-- :func:`enable_cpu_megatron_lm` runs Megatron-LM's training loop on a machine without CUDA
-  (gloo), on top of :func:`megatron_lossfix.cpu_compat.enable_cpu_megatron`.
+- :func:`enable_cpu_megatron_lm` (from :mod:`megatron_lossfix.cpu_megatron_lm`, re-exported for
+  the patch) runs Megatron-LM's training loop on a machine without CUDA (gloo).
 
 With ``--loss-reduction`` absent nothing here touches the training step; with ``off`` the step
 is stock Megatron (the plugin only records metrics).
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
 from megatron_lossfix.schedule import LossFixSchedule
@@ -400,80 +400,3 @@ def _record_train_steps(wrapper: MegatronLMLossFix) -> None:
 
     recorded_train_step._lossfix_wrapped = True
     training.train_step = recorded_train_step
-
-
-# ---------------------------------------------------------------------------------- CPU mode
-_CPU_LM_ENABLED = False
-
-
-def _with_one_device(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` run while ``torch.cuda.device_count()`` reports one device."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        device_count = torch.cuda.device_count
-        torch.cuda.device_count = lambda: 1
-        try:
-            return func(*args, **kwargs)
-        finally:
-            torch.cuda.device_count = device_count
-
-    return wrapper
-
-
-def _preserving_cpu_rng(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` run without advancing the CPU random generator."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.random.fork_rng(devices=[]):
-            return func(*args, **kwargs)
-
-    return wrapper
-
-
-def enable_cpu_megatron_lm() -> bool:
-    """Run Megatron-LM's ``pretrain()`` without CUDA; a no-op (returns False) when CUDA exists.
-
-    Beyond :func:`~megatron_lossfix.cpu_compat.enable_cpu_megatron` (device literals, streams,
-    RNG) Megatron-LM's training package needs: ``initialize_megatron`` asserts CUDA unless
-    ``allow_no_cuda``; ``_initialize_distributed`` and ``_set_random_seed`` build the
-    model-parallel groups and seed the RNG tracker only when ``torch.cuda.device_count() > 0``;
-    ``fused_kernels.load`` builds CUDA kernels with nvcc; the JIT warm-up consumes the CPU
-    generator that CPU initialization uses next.
-    Call it before ``pretrain()``; idempotent.
-    """
-    global _CPU_LM_ENABLED
-    if not enable_cpu_megatron():
-        return False
-    if _CPU_LM_ENABLED:
-        return True
-    import importlib
-
-    from megatron.training import initialize, training
-
-    def wrap(module: Any, name: str, wrapper: Callable[[Any], Any]) -> None:
-        # Names differ across Megatron-LM versions: bridge the ones this checkout has.
-        if hasattr(module, name):
-            setattr(module, name, wrapper(getattr(module, name)))
-
-    wrap(training, "initialize_megatron", lambda f: functools.partial(f, allow_no_cuda=True))
-    # Both functions skip model-parallel setup (process groups, the RNG tracker's seeds) when
-    # torch.cuda.device_count() is 0; inside them, our one stand-in "device" is the CPU.
-    wrap(initialize, "_initialize_distributed", _with_one_device)
-    wrap(initialize, "_set_random_seed", _with_one_device)
-    # The JIT warm-up draws random inputs shaped by --micro-batch-size from the "CUDA" generator,
-    # which is the CPU one here, and CPU initialization draws the weights from it next: without
-    # this, the initial weights would depend on the micro-batch size.
-    wrap(initialize, "_warmup_jit_function", _preserving_cpu_rng)
-    # Argument validation asks for the GPU architecture (queries CUDA): none, on CPU.
-    for module_name in ("megatron.training.arguments", "megatron.training.utils"):
-        wrap(importlib.import_module(module_name), "get_device_arch_version", lambda f: lambda: 0)
-    # The legacy fused softmax kernels are CUDA sources built with nvcc; unused on CPU.
-    try:
-        from megatron.legacy import fused_kernels
-    except ImportError:  # gone in newer Megatron-LM
-        fused_kernels = None
-    wrap(fused_kernels, "load", lambda f: lambda args: None)
-    _CPU_LM_ENABLED = True
-    return True

@@ -211,7 +211,7 @@ def select_patch(
             )
         info = chosen[0]
         _check_target(target, info.files)
-        state, message = _state(info, target)
+        state, _ = _state(info, target)
         return info, state, f"patch {info.name} (chosen by name)"
     version = megatron_core_version(target)
     exact = [p for p in patches if p.version == version]
@@ -225,9 +225,16 @@ def select_patch(
                 f"{info.path.name} expects (local edits?); nothing was changed.\n{message}"
             )
         return info, state, f"Megatron-Core {version}: patch {info.name}"
-    # No patch made for this version: one of the same release series (0.19.x) first; then, for
-    # a version newer than every release patch (the development branch), the main patch; then
-    # the releases, nearest first. The first that fits exactly (applied, or applies cleanly).
+    return _nearest_fitting_patch(target, version, patches)
+
+
+def _nearest_fitting_patch(
+    target: Path, version: str, patches: list[PatchInfo]
+) -> tuple[PatchInfo, State, str]:
+    """For a version no patch was made for: one of the same release series (0.19.x) first;
+    then, for a version newer than every release patch (the development branch), the main
+    patch; then the releases, nearest first. The first that fits exactly (applied, or applies
+    cleanly)."""
     series = _series(version)
     releases = sorted(
         (p for p in patches if _series(p.version) is not None),
@@ -249,8 +256,7 @@ def select_patch(
                 how = "made for the development branch; this version is newer than every release"
             else:
                 how = f"made for {info.version}; this version has no patch of its own, and it fits"
-            note = f"Megatron-Core {version}: patch {info.name} ({how})"
-            return info, state, note
+            return info, state, f"Megatron-Core {version}: patch {info.name} ({how})"
     supported = ", ".join(f"{p.version} ({p.name})" for p in patches)
     raise PatchError(
         f"{target} is Megatron-Core {version}, which no patch supports (supported: "

@@ -32,6 +32,7 @@ __all__ = [
     "count_tokens",
     "float_masks",
     "loss_weights",
+    "segment_ids",
     "shifted_masks",
     "weights_from_counts",
 ]
@@ -241,6 +242,22 @@ def weights_from_counts(
             out.append(m * per_token)
         return out
     raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
+    """A packed (THD) row's sequence index per token, ``[1, num_tokens]``, and the number of
+    segments, from its 1-D cumulative sequence lengths (starting at 0).
+
+    Tokens past the last boundary (padding) land in one extra segment, normally empty: the count
+    is ``len(cu_seqlens)``. The inverse of how the packing laid the sequences out, so that
+    ``sequence_mean`` weighs each packed sequence like a row of its own.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor of cumulative lengths starting at 0")
+    positions = torch.arange(num_tokens, device=cu_seqlens.device)
+    boundaries = cu_seqlens.to(dtype=torch.long)[1:].contiguous()
+    segment = torch.searchsorted(boundaries, positions, right=True)
+    return segment[None, :], cu_seqlens.numel()
 
 
 def shifted_masks(masks: Sequence[torch.Tensor], shift: int) -> list[torch.Tensor]:

@@ -108,3 +108,18 @@ def test_schedule_from_args_takes_the_mode_and_the_self_check():
         _schedule(["--lossfix-self-check"])
     with pytest.raises(ValueError, match="--loss-norm-constant"):
         _schedule(["--loss-reduction", "token_mean", "--loss-norm-constant", "4"])
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--loss-norm-constant", "4"], "needs --loss-reduction seq_mean_token_sum_norm"),
+        (["--loss-reduction", "sum", "--loss-norm-constant", "4"], "applies only to"),
+        (["--loss-reduction", "seq_mean_token_sum_norm"], "needs norm_constant"),
+        (["--loss-reduction", "seq_mean_token_sum_norm", "--loss-norm-constant", "0"], "> 0"),
+    ],
+)
+def test_flag_combinations_are_refused(argv, match):
+    args = add_lossfix_args(argparse.ArgumentParser()).parse_args(argv)
+    with pytest.raises(ValueError, match=match):
+        from_args(args)

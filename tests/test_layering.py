@@ -49,6 +49,8 @@ LAYERS: dict[str, int] = {
     "args": GLUE,
     # integrations
     "cpu_compat": INTEGRATION,
+    "cpu_megatron_lm": INTEGRATION,
+    "cpu_megatron_bridge": INTEGRATION,
     "lora": INTEGRATION,
     "megatron_lm": INTEGRATION,
     "bridge": INTEGRATION,

@@ -170,3 +170,17 @@ def test_legacy_depends_on_split_as_the_old_mean_of_means():
 def test_value_errors(masks, mode, kwargs, match):
     with pytest.raises(ValueError, match=match):
         loss_weights(masks, mode, **kwargs)
+
+
+def test_segment_ids_follow_cu_seqlens_and_pad_into_one_extra_segment():
+    from megatron_lossfix.reduction import segment_ids
+
+    segments, num = segment_ids(torch.tensor([0, 3, 5]), 7)
+    assert segments.tolist() == [[0, 0, 0, 1, 1, 2, 2]]  # positions 5, 6: padding
+    assert num == 3
+    segments, num = segment_ids(torch.tensor([0, 2, 4]), 4)
+    assert segments.tolist() == [[0, 0, 1, 1]]
+    with pytest.raises(ValueError, match="1-D"):
+        segment_ids(torch.tensor([[0, 2]]), 2)
+    with pytest.raises(ValueError, match="1-D"):
+        segment_ids(torch.tensor([0]), 2)
