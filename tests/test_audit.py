@@ -45,9 +45,9 @@ def test_bad_arguments_exit_2(capsys):
     assert "not divisible" in capsys.readouterr().err
 
 
-def _run(pool, tmp_path, *flags):
+def _run(pool, tmp_path, *flags, worker=layout_grads):
     argv = ["--layouts", "dp2-m3", "--modes", "token_mean,sum,off", "--out", str(tmp_path)]
-    return audit.main([*argv, "--no-progress", *flags], pool=pool)
+    return audit.main([*argv, "--no-progress", *flags], pool=pool, worker=worker)
 
 
 def test_audit_passes_and_writes_outputs(dist_pool, tmp_path, capsys):
@@ -91,9 +91,8 @@ def _double_scaled_layout_grads(*args, **kwargs):
         losses.weighted_loss = original
 
 
-def test_audit_fails_on_double_scaled_loss(dist_pool, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(audit, "_layout_worker", lambda: _double_scaled_layout_grads)
-    assert _run(dist_pool, tmp_path, "--no-plot") == 1
+def test_audit_fails_on_double_scaled_loss(dist_pool, tmp_path, capsys):
+    assert _run(dist_pool, tmp_path, "--no-plot", worker=_double_scaled_layout_grads) == 1
     report = json.loads((tmp_path / "audit.json").read_text())
     assert report["passed"] is False
     assert {(f["mode"], f["layout"]) for f in report["failures"]} == {

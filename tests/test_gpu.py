@@ -33,9 +33,9 @@ import torch
 from test_examples import COMMON, TOL, max_rel_diff, run_example
 
 from megatron_lossfix import REDUCTIONS
+from megatron_lossfix.testing.matrix import check_layout
 from megatron_lossfix.testing.oracle import (
     OracleCase,
-    check_layout,
     microbatch_plan,
     reference_grads,
     relative_error,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.testing.oracle import OracleCase, check_layout, relative_error
+from megatron_lossfix.testing.matrix import check_layout
+from megatron_lossfix.testing.oracle import OracleCase, relative_error
 from megatron_lossfix.testing.tiny_gpt import Layout
 
 TOL = 1e-5

@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
     "": API,
     # verification harness
     "audit": HARNESS,
+    "audit_report": HARNESS,
     "testing": HARNESS,
     "testing.*": HARNESS,
     # command-line dispatcher

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lossfix.testing.oracle import OracleCase, check_layout, layout_grads
+from megatron_lossfix.testing.matrix import check_layout
+from megatron_lossfix.testing.oracle import OracleCase, layout_grads
 from megatron_lossfix.testing.tiny_gpt import Layout
 
 TOL = 1e-5

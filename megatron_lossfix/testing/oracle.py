@@ -21,7 +21,6 @@ import torch
 
 __all__ = [
     "OracleCase",
-    "check_layout",
     "layout_grads",
     "make_global_batch",
     "microbatch_plan",
@@ -412,35 +411,3 @@ def relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
     g = torch.cat([got[n].double().flatten() for n in names])
     r = torch.cat([ref[n].double().flatten() for n in names])
     return float((g - r).norm() / r.norm().clamp(min=1e-30))
-
-
-def _references(
-    case: OracleCase, modes: Sequence[str], plan: Sequence[Sequence[int]]
-) -> dict[str, Any]:
-    return {mode: reference_grads(case, mode, plan) for mode in modes}
-
-
-def check_layout(
-    pool: Any,
-    case: OracleCase,
-    layout: Any,
-    world: int,
-    num_microbatches: int,
-    modes: Sequence[str],
-) -> dict[str, dict[str, Any]]:
-    """Run ``layout`` and its references in ``pool``; per mode return the gradient's relative
-    error and the reported versus reference loss (plus the raw results for further checks)."""
-    dp = world // (layout.tp * layout.pp * layout.cp)
-    plan = microbatch_plan(case, dp, num_microbatches)
-    refs = pool.run(_references, 1, case, modes, plan)[0]
-    results = pool.run(layout_grads, world, layout, case, modes, num_microbatches)[0]
-    return {
-        mode: {
-            "error": relative_error(results[mode]["grads"], refs[mode]["grads"]),
-            "loss": results[mode]["metrics"]["loss"],
-            "ref_loss": refs[mode]["loss"],
-            "result": results[mode],
-            "reference": refs[mode],
-        }
-        for mode in modes
-    }

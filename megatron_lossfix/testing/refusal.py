@@ -83,6 +83,26 @@ def _forward_step(int_loss: bool, data_iterator: Any, model: Any) -> tuple:
     return output, partial(weighted_loss, weights)
 
 
+def _broken_iterator(case: str, mbs: list[dict]) -> Any:
+    """The bad rank's data iterator for ``case`` (the cases that break the loss function itself
+    get the good one)."""
+    if case in ("missing-mask", "per-token-missing-mask"):
+        return iter([{k: v for k, v in mb.items() if k != "loss_mask"} for mb in mbs])
+    if case == "non-dict":
+        return iter(range(len(mbs)))
+    if case == "no-iterator":
+        return None
+    if case == "range":
+        return range(len(mbs))
+    if case == "oserror":
+        return _FailingIterator(mbs)
+    if case == "fractional-mask":
+        return iter([{**mb, "loss_mask": mb["loss_mask"] * 0.5} for mb in mbs])
+    if case == "short":
+        return iter(mbs[:1])
+    return iter(mbs)
+
+
 def refusal_case(
     case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
 ) -> tuple[str, str | None, float]:
@@ -109,22 +129,7 @@ def refusal_case(
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
         for k in range(m)
     ]
-    iterator: Any = iter(mbs)
-    if rank == bad_rank:
-        if case in ("missing-mask", "per-token-missing-mask"):
-            iterator = iter([{k: v for k, v in mb.items() if k != "loss_mask"} for mb in mbs])
-        elif case == "non-dict":
-            iterator = iter(range(m))
-        elif case == "no-iterator":
-            iterator = None
-        elif case == "range":
-            iterator = range(m)
-        elif case == "oserror":
-            iterator = _FailingIterator(mbs)
-        elif case == "fractional-mask":
-            iterator = iter([{**mb, "loss_mask": mb["loss_mask"] * 0.5} for mb in mbs])
-        elif case == "short":
-            iterator = iter(mbs[:1])
+    iterator = _broken_iterator(case, mbs) if rank == bad_rank else iter(mbs)
     schedule = LossFixSchedule(LossFixConfig(reduction=mode))
     store = _store()
     _meet(store, "start", world, 120.0)
@@ -147,6 +152,23 @@ def refusal_case(
     return outcome
 
 
+def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
+    """Per group, the seconds of ``reps`` agreement-sized all-reduces, each with its host read
+    (the read is what makes the step wait for the result)."""
+    import torch
+    import torch.distributed as dist
+
+    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64)
+    out: list[list[float]] = [[] for _ in groups]
+    for _ in range(reps):
+        for group, seconds in zip(groups, out, strict=True):
+            start = time.perf_counter()
+            dist.all_reduce(vec, group=group)
+            vec.tolist()
+            seconds.append(time.perf_counter() - start)
+    return out
+
+
 def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     """Pool worker (world 4, PP2 x DP2): what the pipeline verdict costs on this machine.
 
@@ -157,25 +179,17 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     and through the plugin, for scale."""
     import statistics
 
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = init_layout(Layout(pp=2))
     oracle = OracleCase(global_batch_size=8, seq_length=16)
     chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
-    pp_group = ps.get_pipeline_model_parallel_group()
-    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64)
-    times: list[float] = []
-    dp_times: list[float] = []
-    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    for _ in range(reps):
-        for group, out in ((pp_group, times), (dp_group, dp_times)):
-            start = time.perf_counter()
-            dist.all_reduce(vec, group=group)
-            vec.tolist()
-            out.append(time.perf_counter() - start)
+    times, dp_times = _allreduce_seconds(
+        reps,
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_data_parallel_group(with_context_parallel=True),
+    )
     dp_rank = ps.get_data_parallel_rank()
     batch = make_global_batch(oracle, config.vocab_size)
     mbs = [
