@@ -180,18 +180,16 @@ def test_bridge_cu_seqlens_formats():
 def test_packed_bridge_batch_counts_each_sequence():
     """sequence_mean over a packed Bridge row weighs each packed sequence like its own row."""
     from megatron_lossfix import LossFixConfig
+    from megatron_lossfix.batches import segments_of
     from megatron_lossfix.bridge import _CU_SEQLENS_KEY, _LossStageBatches
     from megatron_lossfix.reduction import count_tokens, weights_from_counts
-    from megatron_lossfix.schedule import LossFixSchedule
 
     mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.float32)
     packed = {"loss_mask": mask, "cu_seqlens": torch.tensor([[0, 4, 8, 10, -1]])}
     (batch,) = list(_LossStageBatches(iter([packed])))
     assert batch[_CU_SEQLENS_KEY].tolist() == [0, 4, 8, 10]
-    schedule = LossFixSchedule(
-        LossFixConfig(reduction="sequence_mean", cu_seqlens_key=_CU_SEQLENS_KEY)
-    )
-    segments, num = schedule._segments_of(batch, mask, 0)
+    config = LossFixConfig(reduction="sequence_mean", cu_seqlens_key=_CU_SEQLENS_KEY)
+    segments, num = segments_of(config, batch, mask, 0)
     counts = count_tokens([mask], segment_ids=[segments], num_segments=[num])
     (weights,) = weights_from_counts([mask], counts, "sequence_mean", segment_ids=[segments])
     # Sequences [0,4) with 3 tokens, [4,8) with 2, [8,10) with none: S = 2.
