@@ -15,10 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.reduction import bad_mask_message
+from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.megatron_compat import StepGroups, group_size
+from megatron_lossfix.metrics import StepState
+from megatron_lossfix.reduction import (
+    StepCounts,
+    bad_mask_message,
+    bad_mask_values,
+    count_tokens,
+)
 
 __all__ = [
     "KINDS",
@@ -26,6 +33,8 @@ __all__ = [
     "LocalProblem",
     "ProblemOnAnotherRank",
     "StepRefused",
+    "agree",
+    "agree_after",
     "agreement_vector",
     "default_device",
     "refuse_hybrid_cp",
@@ -161,3 +170,162 @@ def verdict(
         f"{REFUSAL_PREFIX}{'; '.join(kinds)} (reported by {who}; see its error for the details); "
         "every rank of the step stops"
     )
+
+
+# ---------------------------------------------------------------------- the two agreements
+def fingerprint(reduction: str, per_token: bool) -> float:
+    """A small integer that differs between any two (reduction, per-token) settings."""
+    return float(1 + 2 * MODES.index(reduction) + int(per_token))
+
+
+def reduce_over(vec: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``vec`` summed over ``group`` in place (nothing is sent for a group of one)."""
+    if group_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    return vec
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _count(
+    masks: list[torch.Tensor], segments: list, cp_group: dist.ProcessGroup | None
+) -> StepCounts:
+    """This rank's counts (over its CP shards when ``cp_group`` is given), not over DP."""
+    return count_tokens(
+        masks,
+        global_counts=False,
+        cp_group=cp_group,
+        segment_ids=[seg for seg, _ in segments],
+        num_segments=[num for _, num in segments],
+    )
+
+
+def _flag_bad_masks(masks: list[torch.Tensor], vec: torch.Tensor, rank: int) -> torch.Tensor:
+    """Report masks holding values other than 0 and 1 in ``vec``; the flags, per micro-batch."""
+    bad = bad_mask_values(masks)
+    flagged = bad.any().to(device=vec.device, dtype=torch.float64)
+    vec[SLOT_PROBLEMS] += flagged
+    vec[SLOT_RANK_SUM] += flagged * (rank + 1)
+    vec[SLOT_KIND0 + MASK_VALUES] += flagged
+    return bad
+
+
+def _put_local_counts(
+    state: StepState, mtp_masks: list[list[torch.Tensor]], vec: torch.Tensor
+) -> tuple[StepCounts, list[StepCounts]]:
+    """This rank's counts of the main masks and each MTP layer's, written into ``vec``."""
+    local = _count(state.masks, state.segments, None)
+    vec[SLOT_N], vec[SLOT_S] = local.num_tokens, local.num_sequences
+    mtp_local = [_count(m, state.segments, None) for m in mtp_masks]
+    for j, layer in enumerate(mtp_local):
+        vec[VECTOR_LEN + 2 * j] = layer.num_tokens
+        vec[VECTOR_LEN + 2 * j + 1] = layer.num_sequences
+    return local, mtp_local
+
+
+def _flag_disagreement(vec: torch.Tensor, groups: StepGroups, fp: float) -> None:
+    """Disagreement inside DP x CP becomes a problem that every stage hears of; the
+    fingerprint slots are reset for the pipeline's own comparison."""
+    n = float(groups.dp_cp_size)
+    disagree = (vec[SLOT_FP] * vec[SLOT_FP] != n * vec[SLOT_FP2]).to(vec.dtype)
+    vec[SLOT_KIND0 + DISAGREE] += disagree
+    vec[SLOT_PROBLEMS] += disagree
+    vec[SLOT_FP], vec[SLOT_FP2] = fp, fp * fp
+
+
+def _put_sharded_counts(state: StepState, vec: torch.Tensor) -> StepCounts:
+    """CP-sharded data: count over the CP group, then sum over DP, into ``vec``."""
+    groups = state.groups
+    local = _count(state.masks, state.segments, groups.cp)
+    totals = torch.stack([local.num_tokens, local.num_sequences])
+    totals = reduce_over(totals.to(vec.device), groups.dp)
+    vec[SLOT_N], vec[SLOT_S] = totals[0] * groups.cp_size, totals[1] * groups.cp_size
+    return local
+
+
+def _global_counts(vec: torch.Tensor, at: int, local: StepCounts, state: StepState) -> StepCounts:
+    """The step's counts from the reduced vector (slots ``at``, ``at + 1``)."""
+    # Every CP rank holds the same sequences (whole, or after the CP sum of shards).
+    replicas = float(state.groups.cp_size)
+    device = state.masks[0].device
+    return StepCounts(
+        num_tokens=(vec[at] / replicas).to(device),
+        num_sequences=(vec[at + 1] / replicas).to(device),
+        seq_tokens=local.seq_tokens,
+        mb_tokens=local.mb_tokens,
+        dp_size=state.groups.dp_size,
+    )
+
+
+def agree(
+    config: LossFixConfig,
+    state: StepState,
+    problem: LocalProblem | None,
+    mtp_masks: list[list[torch.Tensor]],
+    mtp_layers: int,
+) -> list[StepCounts]:
+    """Count the step's tokens and agree, on every rank of the step, that it can run.
+
+    The loss stage sums ``[N, S, fp, fp**2, problems...]`` over its data x context-parallel
+    group (the counts' own all-reduce: CP ranks hold the same sequences, so N and S are
+    divided by the CP size); with pipeline parallelism every stage then sums the verdict
+    over the pipeline group. All fingerprints are equal exactly when
+    ``sum(fp)**2 == n * sum(fp**2)``. One device sync, after the last collective.
+
+    Fills ``state.counts`` on the loss stage (``state.masks`` and ``state.segments`` are this
+    rank's) and returns the counts of each MTP layer's shifted masks (``mtp_masks``; empty
+    elsewhere), which ride in the same all-reduce; raises on every rank when any refused.
+    """
+    groups = state.groups
+    # On the accelerator whatever device the masks are on: NCCL reduces CUDA tensors only,
+    # and every stage must bring the same kind of tensor to the pipeline all-reduce.
+    fp = fingerprint(config.reduction, state.per_token)
+    rank = _rank()
+    vec = agreement_vector(problem, rank, default_device(), mtp_layers)
+    vec[SLOT_FP], vec[SLOT_FP2] = fp, fp * fp
+    local = bad = None
+    mtp_local: list[StepCounts] = []
+    # CP shards are counted with one more all-reduce over CP, of a size only healthy ranks
+    # know: with sharded data the checks go first (one extra collective in this layout).
+    sharded_cp = config.data_is_cp_sharded and groups.cp_size > 1
+    if groups.is_last_stage:
+        if problem is None:
+            if config.validate:
+                bad = _flag_bad_masks(state.masks, vec, rank)
+            if not sharded_cp:
+                local, mtp_local = _put_local_counts(state, mtp_masks, vec)
+        vec = reduce_over(vec, groups.dp_cp)
+        _flag_disagreement(vec, groups, fp)
+        if sharded_cp and problem is None and vec[SLOT_PROBLEMS].item() == 0:
+            local = _put_sharded_counts(state, vec)
+    if groups.pp_size > 1:
+        vec = reduce_over(vec, groups.pp)
+    verdict(vec.tolist(), groups, config.reduction, state.per_token, problem, bad)
+    if local is None:
+        return []
+    state.counts = _global_counts(vec, SLOT_N, local, state)
+    return [_global_counts(vec, VECTOR_LEN + 2 * j, c, state) for j, c in enumerate(mtp_local)]
+
+
+def agree_after(state: StepState) -> None:
+    """Refuse the step on every rank if the loss stage hit an error inside the schedule.
+
+    Such an error (a loss function that raised or returned no one-element tensor, a
+    forward step that never read its micro-batch, a non-finite loss under check_finite)
+    does not stop the loss stage: it hands Megatron a zero loss and lets the schedule end,
+    so no peer is left in point-to-point or in DDP's all-reduce. Then this one small
+    all-reduce over DP x CP (loss stage) and, with pipelining, over the pipeline group tells
+    every rank; the step's gradients are not to be used. A single-rank step needs none.
+    """
+    groups, problem = state.groups, state.problem
+    if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
+        return  # nobody to tell, nothing to tell: no device sync
+    vec = agreement_vector(problem, _rank(), default_device())
+    if groups.is_last_stage:
+        vec = reduce_over(vec, groups.dp_cp)
+    vec = reduce_over(vec, groups.pp)
+    values = vec.tolist()  # fingerprints stay 0: no disagreement to find here
+    if values[SLOT_PROBLEMS] > 0:
+        verdict(values, groups, state.reduction, bool(state.per_token), problem, None)

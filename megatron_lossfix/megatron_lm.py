@@ -198,9 +198,9 @@ class MegatronLMLossFix:
         self-check, :mod:`megatron_lossfix.selfcheck`)."""
         return self.schedule.last_step
 
-    @last_step.setter
-    def last_step(self, value: Any) -> None:
-        self.schedule.last_step = value
+    def restore_last_step(self, record: Any) -> None:
+        """Make ``record`` the last step's record again (see ``LossFixSchedule``)."""
+        self.schedule.restore_last_step(record)
 
     # Megatron-LM calls it exactly like the function it replaces.
     def __call__(

@@ -20,7 +20,7 @@ from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
 from megatron_lossfix.mtp import MTPStep
 from megatron_lossfix.reduction import StepCounts, count_tokens
 
-__all__ = ["StepState", "reduce_step_metrics"]
+__all__ = ["StepState", "reduce_step_metrics", "scalar_stats", "stock_contributions"]
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class StepState:
 _SUFFIXES = ("_sum", "_count", "_max", "_min")
 
 
-def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
+def scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     stats: dict[str, list[torch.Tensor]] = {}
     for report in reports:
         if not isinstance(report, Mapping):
@@ -70,7 +70,7 @@ def _scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     return stats
 
 
-def _stock_contributions(state: StepState, sizes: tuple[int, int, int]) -> list:
+def stock_contributions(state: StepState, sizes: tuple[int, int, int]) -> list:
     """``off``: each micro-batch's share of the loss stock Megatron optimizes (None: unknown)."""
     m, d, cp = sizes
     out = []
@@ -84,31 +84,63 @@ def _stock_contributions(state: StepState, sizes: tuple[int, int, int]) -> list:
     return out
 
 
-def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
+def _shares(state: StepState, device: torch.device) -> tuple[list, list, list[float], Any]:
+    """This rank's loss shares, 3-tuple token counts, what it could not see (``off``), and
+    the device the sums go on."""
+    if state.reduction != "off":
+        return state.contributions, [], [0.0, 0.0, 0.0], device
     groups = state.groups
-    stock = state.reduction == "off"
-    stats = _scalar_stats(state.reports)
-    sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
+    shares = stock_contributions(state, (state.num_microbatches, groups.dp_size, groups.cp_size))
+    known = [c.double() for c in shares if c is not None]
+    tuple_tokens = [n for _, n in state.raw if n is not None]
+    # What this rank could not see; summed over DP x CP so that every rank decides alike.
+    unseen = [
+        float(len(known) < len(shares)),
+        float(len(tuple_tokens) < len(state.raw)),
+        float(state.unmasked > 0 or not state.masks),
+    ]
+    return known, tuple_tokens, unseen, known[0].device if known else device
+
+
+def _reduce_extremes(
+    stats: dict[str, list[torch.Tensor]], groups: StepGroups, out: dict[str, Any]
+) -> None:
+    """``*_max`` and ``*_min`` report entries, over DP x CP, into ``out`` (one all-reduce)."""
     maxes = sorted(k for k in stats if k.endswith("_max"))
     mins = sorted(k for k in stats if k.endswith("_min"))
+    if not (maxes or mins):
+        return
+    max_vec = torch.stack(
+        [torch.stack(stats[k]).max() for k in maxes] + [-torch.stack(stats[k]).min() for k in mins]
+    )
+    if dist.is_initialized() and groups.dp_cp is not None:
+        dist.all_reduce(max_vec, op=dist.ReduceOp.MAX, group=groups.dp_cp)
+    out.update({k: max_vec[i] for i, k in enumerate(maxes)})
+    out.update({k: -max_vec[len(maxes) + i] for i, k in enumerate(mins)})
+
+
+def _step_counts(state: StepState, config: LossFixConfig) -> StepCounts | None:
+    """The step's counts; ``off`` counted nothing before the step (it communicates nothing),
+    so it counts now."""
+    if state.counts is not None:
+        return state.counts
+    groups = state.groups
+    return count_tokens(
+        state.masks,
+        dp_group=groups.dp,
+        cp_group=groups.cp if config.data_is_cp_sharded else None,
+        segment_ids=[seg for seg, _ in state.segments],
+        num_segments=[num for _, num in state.segments],
+    )
+
+
+def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
+    groups = state.groups
+    stats = scalar_stats(state.reports)
+    sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
     device = state.masks[0].device if state.masks else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    if stock:
-        shares = _stock_contributions(
-            state, (state.num_microbatches, groups.dp_size, groups.cp_size)
-        )
-        known = [c.double() for c in shares if c is not None]
-        tuple_tokens = [n for _, n in state.raw if n is not None]
-        # What this rank could not see; summed over DP x CP so that every rank decides alike.
-        unseen = [
-            float(len(known) < len(shares)),
-            float(len(tuple_tokens) < len(state.raw)),
-            float(state.unmasked > 0 or not state.masks),
-        ]
-        device = known[0].device if known else device
-    else:
-        known = state.contributions
-        tuple_tokens, unseen = [], [0.0, 0.0, 0.0]
+    known, tuple_tokens, unseen, device = _shares(state, device)
     loss = torch.stack(known).double().sum() if known else zero.to(device)
     tokens = (
         torch.stack([n.double().sum().to(device) for n in tuple_tokens]).sum()
@@ -131,16 +163,7 @@ def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
     no_loss, no_tuple_tokens, no_masks = (bool(v > 0) for v in sum_vec[2:5].tolist())
     out: dict[str, Any] = {k: sum_vec[5 + i] for i, k in enumerate(sums)}
     out.update({f"mtp_loss_{j + 1}": sum_vec[5 + len(sums) + j] for j in range(len(mtp))})
-    counts = state.counts
-    if counts is None and not no_masks:
-        # ``off`` counted nothing before the step (it communicates nothing): count now.
-        counts = count_tokens(
-            state.masks,
-            dp_group=groups.dp,
-            cp_group=groups.cp if config.data_is_cp_sharded else None,
-            segment_ids=[seg for seg, _ in state.segments],
-            num_segments=[num for _, num in state.segments],
-        )
+    counts = None if state.counts is None and no_masks else _step_counts(state, config)
     num_tokens = None
     if counts is not None:
         num_tokens = counts.num_tokens
@@ -157,15 +180,7 @@ def _local_metrics(state: StepState, config: LossFixConfig) -> dict:
                 del out["loss"]
             else:
                 out["loss"] = sum_vec[0] / num_tokens.clamp(min=1)
-    if maxes or mins:
-        max_vec = torch.stack(
-            [torch.stack(stats[k]).max() for k in maxes]
-            + [-torch.stack(stats[k]).min() for k in mins]
-        )
-        if dist.is_initialized() and groups.dp_cp is not None:
-            dist.all_reduce(max_vec, op=dist.ReduceOp.MAX, group=groups.dp_cp)
-        out.update({k: max_vec[i] for i, k in enumerate(maxes)})
-        out.update({k: -max_vec[len(maxes) + i] for i, k in enumerate(mins)})
+    _reduce_extremes(stats, groups, out)
     return {k: float(v) for k, v in out.items()}
 
 

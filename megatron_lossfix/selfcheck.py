@@ -38,17 +38,35 @@ import argparse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.resplit import ResplitPlan, resplit, resplit_plan
+from megatron_lossfix.metrics import StepState
+from megatron_lossfix.resplit import ResplitPlan, resplit
+from megatron_lossfix.selfcheck_model import (
+    agree_flags,
+    broadcasts_batches,
+    check_groups,
+    has_dropout,
+    model_chunks,
+    model_config_of,
+    module_buffers,
+    params_device,
+    plan_resplit,
+    relative_error,
+    restore_grads,
+    rng_state,
+    set_rng_state,
+    snapshot_grads,
+    trainable_params,
+    unshard_distributed_optimizer,
+    why_not_checkable,
+    zero_grads,
+)
 
 __all__ = ["SelfCheckError", "SelfCheckingSchedule", "with_self_check"]
-
-#: Modes whose gradient depends on the micro-batch split by design (or that are stock Megatron).
-SPLIT_DEPENDENT_MODES = ("off", "token_mean_legacy")
 
 
 class SelfCheckError(RuntimeError):
@@ -73,185 +91,39 @@ class _Recorder:
         return item
 
 
-# ------------------------------------------------------------------------------ gradients
+@runtime_checkable
+class RecordsSteps(Protocol):
+    """A schedule that keeps a record of its last step (``LossFixSchedule`` and its
+    integrations): the check puts the normal run's record back after its re-runs."""
+
+    @property
+    def last_step(self) -> StepState | None: ...
+
+    def restore_last_step(self, record: StepState | None) -> None: ...
 
 
-def _chunks(model: Any) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+@dataclass(kw_only=True, slots=True)
+class _NormalRun:
+    """What the normal run of the checked step left: to compare with, and to put back."""
 
-
-def _grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
-
-
-def _params(chunks: list) -> list[torch.nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if id(param) not in seen and param.requires_grad:
-                seen.add(id(param))
-                out.append(param)
-    return out
-
-
-def _unshard_distributed_optimizer(chunks: list) -> None:
-    """The distributed optimizer leaves each DP rank only its reduce-scattered shard of every
-    bucket; gather the shards back so that ``main_grad`` is the full gradient. The optimizer
-    reads only this rank's shard, which this does not change."""
-    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
-
-    for chunk in chunks:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is None or not ddp_config.use_distributed_optimizer:
-            continue
-        groups = [
-            *getattr(chunk, "bucket_groups", []),
-            *getattr(chunk, "expert_parallel_bucket_groups", []),
-        ]
-        for bucket_group in groups:
-            group = bucket_group.intra_distributed_optimizer_instance_group
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
-            for bucket in bucket_group.buckets:
-                views = shard_buffer(bucket.grad_data, size)
-                dist.all_gather(views, views[rank].clone(), group=group)
-
-
-def _zero_grads(chunks: list) -> None:
-    for chunk in chunks:
-        if hasattr(chunk, "zero_grad_buffer"):
-            chunk.zero_grad_buffer()  # also resets DDP's per-step bucket state
-        else:
-            for param in chunk.parameters():
-                grad = _grad_of(param)
-                if grad is not None:
-                    grad.zero_()
-
-
-@dataclass
-class _Groups:
-    """Where the check communicates; None: a group of one (nothing to reduce)."""
-
-    model_parallel: dist.ProcessGroup | None
-    """TP x PP: squared norms of dense parameters; with data_parallel, spans every rank."""
-    expert_model_parallel: dist.ProcessGroup | None
-    """Expert TP x EP x PP: squared norms of expert parameters."""
-    data_parallel: dist.ProcessGroup | None
-    """DP x CP: only for agreeing on flags (replicas hold the same reduced gradient)."""
-    tensor_parallel: dist.ProcessGroup | None
-    pipeline: dist.ProcessGroup | None
-
-    @staticmethod
-    def size(group: dist.ProcessGroup | None) -> int:
-        return 1 if group is None else dist.get_world_size(group)
-
-
-def _counted(param: torch.nn.Parameter, tp_group: dist.ProcessGroup | None) -> bool:
-    """Count each gradient element once over the model-parallel group, as Megatron's grad norm
-    does: no TP-replicated copy but rank 0's, no tied-embedding copy."""
-    if getattr(param, "shared", False):
-        return False
-    if getattr(param, "tensor_model_parallel", False) or tp_group is None:
-        return True
-    return dist.get_rank(tp_group) == 0
-
-
-def _relative_error(
-    params: list[torch.nn.Parameter], reference: list[torch.Tensor | None], groups: _Groups
-) -> float:
-    """Relative L2 distance between the current gradient and ``reference`` over the whole model."""
-    sums = {}
-    for param, ref in zip(params, reference, strict=True):
-        grad = _grad_of(param)
-        if ref is None or grad is None or not _counted(param, groups.tensor_parallel):
-            continue
-        expert = not getattr(param, "allreduce", True)
-        acc = sums.setdefault(expert, torch.zeros(2, dtype=torch.float64, device=grad.device))
-        acc[0] += (grad.double() - ref.double()).square().sum()
-        acc[1] += ref.double().square().sum()
-    total = torch.zeros(2, dtype=torch.float64)
-    for expert in (False, True):
-        group = groups.expert_model_parallel if expert else groups.model_parallel
-        acc = sums.get(expert)
-        if acc is None:
-            # Still take part in the collective: another rank of the group may hold such params.
-            acc = torch.zeros(2, dtype=torch.float64, device=_device(params))
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(acc, group=group)
-        total += acc.cpu()
-    diff, ref = total.tolist()
-    return (diff**0.5) / max(ref**0.5, 1e-30) if ref > 0 else float(diff > 0)
-
-
-def _device(params: list[torch.nn.Parameter]) -> torch.device:
-    return params[0].device if params else torch.device("cpu")
-
-
-# ------------------------------------------------------------------------------ state
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        # get_states copies the dict; the tracker replaces (never mutates) its state tensors.
-        state["tracker"] = get_cuda_rng_tracker().get_states()
-    except Exception:  # noqa: BLE001 - no tracker, nothing to restore
-        pass
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "tracker" in state:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        get_cuda_rng_tracker().set_states(dict(state["tracker"]))
-
-
-def _model_config(chunks: list) -> Any:
-    try:
-        from megatron.core.utils import get_model_config
-
-        return get_model_config(chunks[0])
-    except Exception:  # noqa: BLE001 - not a Megatron model
-        return None
-
-
-def _split_dependent_features(config: Any) -> list[str]:
-    """Model features whose gradient legitimately depends on batch composition."""
-    if config is None:
-        return []
-    found = []
-    if getattr(config, "num_moe_experts", None):
-        if (getattr(config, "moe_aux_loss_coeff", 0) or 0) > 0:
-            found.append("MoE load-balancing loss")
-        if (getattr(config, "moe_z_loss_coeff", None) or 0) > 0:
-            found.append("MoE z-loss")
-        if getattr(config, "moe_expert_capacity_factor", None) is not None:
-            found.append("MoE expert capacity (token dropping)")
-    return found
-
-
-def _has_dropout(config: Any, chunks: list) -> bool:
-    if not any(chunk.training for chunk in chunks):
-        return False
-    if config is not None and (
-        (getattr(config, "hidden_dropout", 0) or 0) > 0
-        or (getattr(config, "attention_dropout", 0) or 0) > 0
-    ):
-        return True
-    return any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-        for chunk in chunks
-        for m in chunk.modules()
-    )
+    call: dict
+    """The step's keyword arguments, as the caller gave them."""
+    chunks: list
+    """The model chunks."""
+    params: list[torch.nn.Parameter]
+    """Their trainable parameters, each once."""
+    recorders: list
+    """Per data iterator, what ``forward_step`` read from it (None: no iterator)."""
+    result: Any
+    """What the schedule returned (handed back to the caller)."""
+    record: StepState | None
+    """The schedule's record of the step (None: the schedule keeps none)."""
+    rng: dict[str, Any]
+    """The RNG states after the step."""
+    buffers: list[torch.Tensor]
+    """Copies of the registered buffers after the step."""
+    grads: list[torch.Tensor | None]
+    """Copies of the gradients after the step (full, not sharded)."""
 
 
 # ------------------------------------------------------------------------------ the wrapper
@@ -326,118 +198,24 @@ class SelfCheckingSchedule:
         if kwargs.get("forward_only") or self.checked >= self.iterations:
             return self.schedule(**call)
         self.checked += 1
-        reason = self._why_not(model)
+        reason = why_not_checkable(self.schedule, model)
         if reason:
             warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=2)
             return self.schedule(**call)
         return self._checked_step(call)
 
-    # -- decisions (the same on every rank) ----------------------------------------------------
-
-    def _why_not(self, model: Any) -> str | None:
-        """Why this setup cannot be checked, from configuration alone."""
-        reduction = getattr(getattr(self.schedule, "config", None), "reduction", None)
-        if reduction in SPLIT_DEPENDENT_MODES:
-            return (
-                f"reduction {reduction!r} depends on the micro-batch split by definition "
-                "(Megatron's mean of per-micro-batch means)"
-            )
-        features = _split_dependent_features(_model_config(_chunks(model)))
-        if features:
-            return (
-                f"the model uses {', '.join(features)}, whose gradient depends on the batch "
-                "composition by design (they are nonlinear in it; Megatron keeps them per "
-                "micro-batch)"
-            )
-        return None
-
-    def _groups(self, call: dict) -> _Groups:
-        from megatron.core import parallel_state as ps
-
-        initialized = ps.model_parallel_is_initialized()
-        pg = call.get("pg_collection")
-
-        def pick(given: Any, name: str, fallback: Callable[[], Any]) -> Any:
-            if given is not None:
-                return given
-            group = getattr(pg, name, None) if pg is not None else None
-            return group if group is not None else (fallback() if initialized else None)
-
-        return _Groups(
-            model_parallel=pick(self._mp_group, "mp", ps.get_model_parallel_group),
-            expert_model_parallel=pick(
-                self._ep_group, "tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group
-            ),
-            data_parallel=pick(
-                None, "dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)
-            ),
-            tensor_parallel=pick(None, "tp", ps.get_tensor_model_parallel_group),
-            pipeline=pick(None, "pp", ps.get_pipeline_model_parallel_group),
-        )
-
-    def _agree(self, flags: list[float], groups: _Groups, device: torch.device) -> list[float]:
-        """Element-wise max of per-rank flags over every rank of the model: the model-parallel
-        group, then the data x context-parallel group (together they span the grid)."""
-        tensor = torch.tensor(flags, dtype=torch.float64, device=device)
-        for group in (groups.model_parallel, groups.data_parallel):
-            if _Groups.size(group) > 1:
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        return tensor.tolist()
-
-    def _broadcasts_batches(self, recorders: list, groups: _Groups, device: torch.device) -> bool:
-        """Whether some tensor-parallel group has ranks that read data and ranks that do not:
-        then ``forward_step`` broadcasts the batch (Megatron-LM's ``get_batch_on_this_tp_rank``)
-        into buffers of the configured micro-batch shape, and only a shape-keeping re-split
-        works."""
-        reads = any(rec is not None and rec.items for rec in recorders)
-        flags = torch.tensor([float(reads), float(not reads)], device=device)
-        if _Groups.size(groups.tensor_parallel) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.tensor_parallel)
-        mixed = float(bool(flags[0] > 0 and flags[1] > 0))
-        return bool(self._agree([mixed], groups, device)[0])
-
-    def _plan(
-        self, call: dict, chunks: list, groups: _Groups, keep_shapes: bool
-    ) -> ResplitPlan | None:
-        pp = _Groups.size(groups.pipeline)
-        interleaved = None
-        if len(chunks) > 1:
-            config = _model_config(chunks)
-            interleaved = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
-        return resplit_plan(
-            call["num_microbatches"],
-            call.get("micro_batch_size"),
-            pipeline_size=pp,
-            interleaved_group=interleaved,
-            keep_shapes=keep_shapes,
-        )
-
     # -- the check -----------------------------------------------------------------------------
 
     def _checked_step(self, call: dict) -> Any:
-        chunks = _chunks(call["model"])
-        groups = self._groups(call)
-        params = _params(chunks)
-        device = _device(params)
-
-        # 1. The normal step, recording what forward_step reads.
-        given = call["data_iterator"]
-        as_list = isinstance(given, list)
-        recorders = [
-            None if it is None else _Recorder(it) for it in (given if as_list else [given])
-        ]
-        result = self.schedule(**{**call, "data_iterator": recorders if as_list else recorders[0]})
-        step_record = getattr(self.schedule, "last_step", None)
-        rng = _rng_state()
-        buffers = [b.detach().clone() for b in _module_buffers(chunks)]
-        _unshard_distributed_optimizer(chunks)
-        kept = _snapshot(params)
-
+        normal = self._normal_run(call)
+        groups = check_groups(call.get("pg_collection"), self._mp_group, self._ep_group)
+        device = params_device(normal.params)
         # 2. The same data, split differently (every rank learns whether any rank can't).
-        keep_shapes = self._broadcasts_batches(recorders, groups, device)
-        plan = self._plan(call, chunks, groups, keep_shapes)
-        items, problem = self._resplit_data(recorders, call["num_microbatches"], plan)
-        failed, changed = self._agree(
+        reads = any(rec is not None and rec.items for rec in normal.recorders)
+        keep_shapes = broadcasts_batches(reads, groups, device)
+        plan = plan_resplit(call, normal.chunks, groups, keep_shapes)
+        items, problem = self._resplit_data(normal.recorders, call["num_microbatches"], plan)
+        failed, changed = agree_flags(
             [float(problem is not None), float(plan is not None and problem is None)],
             groups,
             device,
@@ -454,29 +232,12 @@ class SelfCheckingSchedule:
                 "micro-batch of one row)",
                 stacklevel=3,
             )
-            return result
+            return normal.result
         self.last_plan = plan
-        count = plan.num_microbatches if plan is not None else call["num_microbatches"]
         try:
-            if _has_dropout(_model_config(chunks), chunks):
-                # Dropout masks differ between any two runs: compare two dropout-free runs.
-                reference = self._eval_mode_runs(
-                    call, chunks, params, recorders, items, count, plan
-                )
-            else:
-                reference = kept
-                self._rerun(call, chunks, items, count, plan)
-                _unshard_distributed_optimizer(chunks)
-            error = _relative_error(params, reference, groups)
+            error = relative_error(normal.params, self._resplit_run(normal, items, plan), groups)
         finally:
-            # 3. Training goes on from the normal run: its gradient, buffers, RNG, step record.
-            _restore(params, kept)
-            with torch.no_grad():
-                for buf, saved in zip(_module_buffers(chunks), buffers, strict=True):
-                    buf.copy_(saved)
-            _set_rng_state(rng)
-            if step_record is not None:
-                self.schedule.last_step = step_record
+            self._put_back(normal)
         self.last_error = error
         if not error <= self.tolerance:
             raise SelfCheckError(self._message(error, call["num_microbatches"], plan))
@@ -488,29 +249,72 @@ class SelfCheckingSchedule:
                 f"{error:.2g} (relative L2; tolerance {self.tolerance:g})",
                 flush=True,
             )
-        return result
+        return normal.result
+
+    def _normal_run(self, call: dict) -> _NormalRun:
+        """1. The normal step, recording what forward_step reads; then what it left."""
+        chunks = model_chunks(call["model"])
+        given = call["data_iterator"]
+        as_list = isinstance(given, list)
+        recorders = [
+            None if it is None else _Recorder(it) for it in (given if as_list else [given])
+        ]
+        result = self.schedule(**{**call, "data_iterator": recorders if as_list else recorders[0]})
+        # The schedule's public record of the step (a plain forward_backward_func has none).
+        record = self.schedule.last_step if isinstance(self.schedule, RecordsSteps) else None
+        rng = rng_state()
+        buffers = [b.detach().clone() for b in module_buffers(chunks)]
+        unshard_distributed_optimizer(chunks)
+        params = trainable_params(chunks)
+        return _NormalRun(
+            call=call,
+            chunks=chunks,
+            params=params,
+            recorders=recorders,
+            result=result,
+            record=record,
+            rng=rng,
+            buffers=buffers,
+            grads=snapshot_grads(params),
+        )
+
+    def _resplit_run(
+        self, normal: _NormalRun, items: list, plan: ResplitPlan | None
+    ) -> list[torch.Tensor | None]:
+        """Run the re-split data; the gradient to compare the resulting one with."""
+        count = plan.num_microbatches if plan is not None else normal.call["num_microbatches"]
+        if has_dropout(model_config_of(normal.chunks), normal.chunks):
+            # Dropout masks differ between any two runs: compare two dropout-free runs.
+            return self._eval_mode_runs(normal, items, count, plan)
+        self._rerun(normal, items, count, plan)
+        unshard_distributed_optimizer(normal.chunks)
+        return normal.grads
+
+    def _put_back(self, normal: _NormalRun) -> None:
+        """3. Training goes on from the normal run: its gradient, buffers, RNG, step record."""
+        restore_grads(normal.params, normal.grads)
+        with torch.no_grad():
+            for buf, saved in zip(module_buffers(normal.chunks), normal.buffers, strict=True):
+                buf.copy_(saved)
+        set_rng_state(normal.rng)
+        if normal.record is not None and isinstance(self.schedule, RecordsSteps):
+            self.schedule.restore_last_step(normal.record)
 
     def _eval_mode_runs(
-        self,
-        call: dict,
-        chunks: list,
-        params: list,
-        recorders: list,
-        items: list,
-        count: int,
-        plan: ResplitPlan | None,
+        self, normal: _NormalRun, items: list, count: int, plan: ResplitPlan | None
     ) -> list[torch.Tensor | None]:
         """Without dropout: the original split (returned), then the re-split (left in place)."""
+        chunks = normal.chunks
         training = [chunk.training for chunk in chunks]
         for chunk in chunks:
             chunk.eval()
         try:
-            original = [None if rec is None else list(rec.items) for rec in recorders]
-            self._rerun(call, chunks, original, call["num_microbatches"], None)
-            _unshard_distributed_optimizer(chunks)
-            reference = _snapshot(params)
-            self._rerun(call, chunks, items, count, plan)
-            _unshard_distributed_optimizer(chunks)
+            original = [None if rec is None else list(rec.items) for rec in normal.recorders]
+            self._rerun(normal, original, normal.call["num_microbatches"], None)
+            unshard_distributed_optimizer(chunks)
+            reference = snapshot_grads(normal.params)
+            self._rerun(normal, items, count, plan)
+            unshard_distributed_optimizer(chunks)
         finally:
             for chunk, mode in zip(chunks, training, strict=True):
                 chunk.train(mode)
@@ -542,14 +346,10 @@ class SelfCheckingSchedule:
         return out, None
 
     def _rerun(
-        self,
-        call: dict,
-        chunks: list,
-        items: list,
-        num_microbatches: int,
-        plan: ResplitPlan | None,
+        self, normal: _NormalRun, items: list, num_microbatches: int, plan: ResplitPlan | None
     ) -> None:
-        _zero_grads(chunks)
+        zero_grads(normal.chunks)
+        call = normal.call
         iterators = [None if it is None else iter(it) for it in items]
         kwargs = dict(call)
         kwargs["data_iterator"] = (
@@ -591,26 +391,6 @@ class SelfCheckingSchedule:
             "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The normal "
             "run's gradient was restored."
         )
-
-
-def _module_buffers(chunks: list) -> list[torch.Tensor]:
-    """Registered buffers (MoE expert bias and token counts, ...) that a re-run may update.
-    ``nn.Module.buffers`` explicitly: Megatron DDP's ``buffers`` attribute is its grad buffers."""
-    return [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
-
-
-def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-    return [None if _grad_of(p) is None else _grad_of(p).detach().clone() for p in params]
-
-
-@torch.no_grad()
-def _restore(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
-    for param, grad in zip(params, grads, strict=True):
-        current = _grad_of(param)
-        if grad is not None and current is not None:
-            current.copy_(grad)
-        elif grad is None and getattr(param, "main_grad", None) is None:
-            param.grad = None  # the re-run created it
 
 
 def with_self_check(schedule: Callable[..., Any], args: argparse.Namespace) -> Callable[..., Any]:

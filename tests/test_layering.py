@@ -44,7 +44,11 @@ LAYERS: dict[str, int] = {
     "agreement": GLUE,
     "metrics": GLUE,
     "mtp": GLUE,
+    "batches": GLUE,
+    "lossfunc": GLUE,
+    "stock": GLUE,
     "schedule": GLUE,
+    "selfcheck_model": GLUE,
     "selfcheck": GLUE,
     "args": GLUE,
     # integrations

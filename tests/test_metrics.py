@@ -19,9 +19,9 @@ from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_compat import StepGroups
 from megatron_lossfix.metrics import (
     StepState,
-    _scalar_stats,
-    _stock_contributions,
     reduce_step_metrics,
+    scalar_stats,
+    stock_contributions,
 )
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
@@ -111,7 +111,7 @@ def assert_metrics(got: dict, want: dict) -> None:
 
 def test_scalar_stats_keeps_one_element_tensors_with_a_known_suffix():
     reports = make_reports(3)
-    stats = _scalar_stats(reports)
+    stats = scalar_stats(reports)
     assert sorted(stats) == ["clip_low_count", "pg_loss_sum", "ratio_max", "ratio_min"]
     for key, values in stats.items():
         assert len(values) == 3
@@ -183,7 +183,7 @@ def test_stock_contributions_match_megatrons_averaging(dp, cp):
         (torch.tensor(x), None if n is None else torch.tensor(n))
         for x, n in zip(losses, tokens, strict=True)
     ]
-    got = _stock_contributions(state, (len(losses), dp, cp))
+    got = stock_contributions(state, (len(losses), dp, cp))
     want = stock_loss(losses, tokens, dp, cp)
     assert [float(x) for x in got] == pytest.approx(want, rel=1e-6)  # fp32 losses
 
