@@ -17,7 +17,12 @@ from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.losses import weighted_loss, weighted_sum
 from megatron_lossfix.reduction import REDUCTIONS, loss_weights
-from megatron_lossfix.rl_losses import grpo_advantages, rl_objective, scale_advantages
+from megatron_lossfix.rl_losses import (
+    RLObjective,
+    grpo_advantages,
+    rl_objective,
+    scale_advantages,
+)
 from megatron_lossfix.schedule import LossFixSchedule, StepRefused
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "REDUCTIONS",
     "LossFixConfig",
     "LossFixSchedule",
+    "RLObjective",
     "StepRefused",
     "add_lossfix_args",
     "enable_cpu_megatron",

@@ -15,6 +15,7 @@ path never synchronizes with the device.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 __all__ = [
     "KL_KINDS",
     "POLICY_LOSSES",
+    "RLObjective",
     "gspo_token_loss",
     "grpo_advantages",
     "kl_penalty",
@@ -201,22 +203,55 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     return torch.expm1(-diff) + diff  # exp(-d) - 1 + d, without cancellation for small d
 
 
+@dataclass(kw_only=True, slots=True)
+class RLObjective:
+    """The hyper-parameters of :func:`rl_objective`: which policy loss, its clipping, and the
+    weights of the KL and entropy terms."""
+
+    policy_loss: str = "ppo"
+    """``"ppo"`` (token ratio, optional dual clip) or ``"gspo"`` (sequence ratio)."""
+
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at ``1 - eps_low`` (``>= 0``)."""
+
+    eps_high: float = 0.2
+    """Upper clip: the ratio is clipped at ``1 + eps_high`` (``>= 0``; DAPO's clip-higher
+    uses a larger value than ``eps_low``)."""
+
+    dual_clip_c: float | None = None
+    """Dual-clip PPO's bound on the loss of negative-advantage tokens (``> 1``); PPO only."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty toward the reference policy; non-zero needs ``ref_logprobs``."""
+
+    kl_kind: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3`` (Schulman's)."""
+
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus; non-zero needs ``entropy``."""
+
+    def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"unknown policy_loss {self.policy_loss!r}; expected one of {POLICY_LOSSES}"
+            )
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"unknown KL kind {self.kl_kind!r}; expected one of {KL_KINDS}")
+        if self.policy_loss != "ppo" and self.dual_clip_c is not None:
+            raise ValueError("dual_clip_c is only supported with policy_loss='ppo'")
+        _check_eps(self.eps_low, self.eps_high)
+
+
 def rl_objective(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     loss_mask: torch.Tensor,
+    objective: RLObjective | None = None,
     *,
-    policy_loss: str = "ppo",
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
     cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted RL objective ``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` and its stats.
@@ -226,11 +261,12 @@ def rl_objective(
         weights: ``[b, s]`` plugin weights (globally normalized, zero off the loss mask).
         loss_mask: ``[b, s]`` 0/1 (or bool) mask of loss tokens; used for counts and to keep
             garbage on masked positions (padding) out of the loss.
-        policy_loss: ``"ppo"`` (token ratio, optional ``dual_clip_c``) or ``"gspo"`` (sequence
-            ratio; ``cp_group`` when sequences are split over context-parallel ranks).
-        ref_logprobs, kl_coef, kl_kind: KL penalty toward a reference policy (``k1``/``k2``/``k3``).
-        entropy, entropy_coef: per-token entropy ``[b, s]`` (e.g. from
-            :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy`); a bonus.
+        objective: the policy loss and its coefficients (default: PPO, clip 0.2, no KL, no
+            entropy bonus).
+        ref_logprobs: ``[b, s]`` reference-policy log-probs, for the KL penalty.
+        entropy: per-token entropy ``[b, s]`` (e.g. from
+            :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy`), for the bonus.
+        cp_group: GSPO's sequence ratio when sequences are split over context-parallel ranks.
 
     Returns:
         ``(weighted_sum, stats)``; every stat is a detached 0-dim fp32 tensor, a plain sum unless
@@ -238,60 +274,85 @@ def rl_objective(
         (weighted by ``weights``), ``clip_low_count``, ``clip_high_count``, ``dual_clip_count``,
         ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``num_tokens`` (over loss tokens, unweighted).
     """
-    if policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy_loss {policy_loss!r}; expected one of {POLICY_LOSSES}")
-    if kl_kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kl_kind!r}; expected one of {KL_KINDS}")
+    obj = RLObjective() if objective is None else objective
     _check_same_shape(
         logprobs=logprobs, old_logprobs=old_logprobs, weights=weights, loss_mask=loss_mask
     )
-    if kl_coef != 0.0 and ref_logprobs is None:
+    if obj.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
-    if entropy_coef != 0.0 and entropy is None:
+    if obj.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
     mask = loss_mask.bool()
     # Padding may carry any old/ref log-prob (0, -inf, NaN); replacing it by the current log-prob
     # makes the ratio 1 and the KL 0 there, so 0-weight tokens cannot inject NaN via 0 * inf.
     logp_const = logprobs.detach()
     old = torch.where(mask, old_logprobs, logp_const)
-
-    if policy_loss == "ppo":
+    if obj.policy_loss == "ppo":
         pg, ind = ppo_token_loss(
-            logprobs, old, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
+            logprobs,
+            old,
+            advantages,
+            eps_low=obj.eps_low,
+            eps_high=obj.eps_high,
+            dual_clip_c=obj.dual_clip_c,
         )
     else:
-        if dual_clip_c is not None:
-            raise ValueError("dual_clip_c is only supported with policy_loss='ppo'")
         pg, ind = gspo_token_loss(
-            logprobs, old, advantages, mask, eps_low=eps_low, eps_high=eps_high, cp_group=cp_group
+            logprobs,
+            old,
+            advantages,
+            mask,
+            eps_low=obj.eps_low,
+            eps_high=obj.eps_high,
+            cp_group=cp_group,
         )
-
     w = _acc(weights).detach()
+    if ref_logprobs is not None:
+        _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+        ref_logprobs = torch.where(mask, ref_logprobs, logp_const)
+    total, kl_sum, entropy_sum = _regularized(pg, w, mask, obj, logprobs, ref_logprobs, entropy)
+    stats = _rl_stats(pg, w, mask, ind)
+    stats.update(kl_sum=kl_sum.detach().float(), entropy_sum=entropy_sum.detach().float())
+    return (w * total).sum(), stats
+
+
+def _regularized(
+    pg: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    obj: RLObjective,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``pg + kl_coef * KL - entropy_coef * H`` (0 off the mask), and the weighted
+    sums of KL and H."""
     total = pg
     zero = torch.zeros((), dtype=pg.dtype, device=pg.device)
     kl_sum = entropy_sum = zero
     if ref_logprobs is not None:
-        _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
-        kl = kl_penalty(logprobs, torch.where(mask, ref_logprobs, logp_const), kl_kind)
-        total = total + kl_coef * kl
+        kl = kl_penalty(logprobs, ref_logprobs, obj.kl_kind)
+        total = total + obj.kl_coef * kl
         kl_sum = (w * kl.detach()).sum()
     if entropy is not None:
         _check_same_shape(logprobs=logprobs, entropy=entropy)
         ent = torch.where(mask, _acc(entropy), torch.zeros_like(pg))
-        total = total - entropy_coef * ent
+        total = total - obj.entropy_coef * ent
         entropy_sum = (w * ent.detach()).sum()
     # where() rather than relying on w == 0 alone: a NaN entropy on padding would survive 0 * NaN.
-    total = torch.where(mask, total, torch.zeros_like(total))
-    weighted_sum = (w * total).sum()
+    return torch.where(mask, total, torch.zeros_like(total)), kl_sum, entropy_sum
 
+
+def _rl_stats(
+    pg: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, ind: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The policy-loss statistics (see :func:`rl_objective`), detached fp32."""
     fmask = mask.to(pg.dtype)
     ratio = ind["ratio"]
     inf = torch.full_like(ratio, float("inf"))
     no_inf = torch.tensor(float("inf"), device=ratio.device)  # neutral elements for empty inputs
     stats = {
         "pg_loss_sum": (w * pg.detach()).sum(),
-        "kl_sum": kl_sum,
-        "entropy_sum": entropy_sum,
         "clip_low_count": (fmask * ind["clip_low"]).sum(),
         "clip_high_count": (fmask * ind["clip_high"]).sum(),
         "dual_clip_count": (fmask * ind["dual_clip"]).sum(),
@@ -300,7 +361,7 @@ def rl_objective(
         "ratio_max": torch.where(mask, ratio, -inf).amax() if ratio.numel() else -no_inf,
         "num_tokens": fmask.sum(),
     }
-    return weighted_sum, {k: v.detach().float() for k, v in stats.items()}
+    return {k: v.detach().float() for k, v in stats.items()}
 
 
 def rl_loss(
@@ -310,21 +371,21 @@ def rl_loss(
     tp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
-    objective: Mapping[str, Any] | None = None,
+    objective: RLObjective | Mapping[str, Any] | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron ``loss_func`` of :func:`rl_objective` for ``GPTModel``'s vocab-parallel logits
     ``[b, s, V/TP]`` (the model called without labels). Bind all but the output first:
-    ``partial(rl_loss, batch, tp_group=..., cp_group=..., objective={"kl_coef": 0.1, ...})``.
+    ``partial(rl_loss, batch, tp_group=..., cp_group=..., objective=RLObjective(...))``.
 
     ``batch`` holds ``labels``, ``loss_mask``, ``loss_weights`` (the plugin's weights; stock
     Megatron code passes the loss mask), ``old_logprobs`` and ``advantages``; optionally
     ``ref_logprobs`` (for a KL term) and ``has_old_logprobs`` (0 where no old log-prob was
     recorded: the current one, detached, stands in, ratio 1). Log-probs and entropies come from
     :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy` of ``logits /
-    temperature`` (TP-correct); ``objective`` holds the other keyword arguments of
-    :func:`rl_objective`. Returns Megatron's 3-tuple ``(sum(w * objective), loss tokens on this
-    rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.
+    temperature`` (TP-correct); ``objective`` is an :class:`RLObjective` (or the keyword
+    arguments of one, as flags give them). Returns Megatron's 3-tuple ``(sum(w * objective),
+    loss tokens on this rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.
     """
     if temperature != 1.0:
         logits = logits.float() / temperature  # the policy that sampled is softmax(logits / T)
@@ -332,6 +393,8 @@ def rl_loss(
     old = batch["old_logprobs"]
     if "has_old_logprobs" in batch:
         old = torch.where(batch["has_old_logprobs"] > 0, old, logprobs.detach())
+    if objective is not None and not isinstance(objective, RLObjective):
+        objective = RLObjective(**objective)
     weights = batch["loss_weights"]
     loss, stats = rl_objective(
         logprobs,
@@ -339,10 +402,10 @@ def rl_loss(
         batch["advantages"],
         weights,
         batch["loss_mask"],
+        objective,
         ref_logprobs=batch.get("ref_logprobs"),
         entropy=entropy,
         cp_group=cp_group,
-        **(objective or {}),
     )
     return loss, (weights != 0).sum(dtype=torch.int), stats
 

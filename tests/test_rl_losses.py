@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_lossfix.rl_losses import (
+    RLObjective,
     grpo_advantages,
     gspo_token_loss,
     kl_penalty,
@@ -346,15 +347,17 @@ def test_rl_objective_matches_reference(dtype, shape, policy_loss):
         adv,
         w,
         mask,
-        policy_loss=policy_loss,
-        eps_low=EPS_LOW,
-        eps_high=EPS_HIGH,
-        dual_clip_c=c,
+        RLObjective(
+            policy_loss=policy_loss,
+            eps_low=EPS_LOW,
+            eps_high=EPS_HIGH,
+            dual_clip_c=c,
+            kl_coef=kl_coef,
+            kl_kind="k3",
+            entropy_coef=ent_coef,
+        ),
         ref_logprobs=ref,
-        kl_coef=kl_coef,
-        kl_kind="k3",
         entropy=e,
-        entropy_coef=ent_coef,
     )
 
     xr, er = leaf(logp), leaf(ent)
@@ -416,11 +419,9 @@ def test_rl_objective_all_masked_is_zero_without_nan():
             adv,
             w,
             mask,
-            policy_loss=policy_loss,
+            RLObjective(policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.1),
             ref_logprobs=old,
-            kl_coef=0.1,
             entropy=torch.full((3, 7), float("nan")),
-            entropy_coef=0.1,
         )
         assert total == 0 and (grad_of(total, x) == 0).all()
         assert stats["num_tokens"] == 0 and stats["ratio_min"] == math.inf
@@ -458,9 +459,9 @@ def test_rl_loss_is_rl_objective_on_the_logits(temperature):
         batch["advantages"].double(),
         batch["loss_weights"].double(),
         mask,
+        RLObjective(**objective),
         ref_logprobs=batch["ref_logprobs"].double(),
         entropy=entropy,
-        **objective,
     )
     assert_close(loss, want, (1e-6, 1e-5), "rl_loss value")
     assert_close(grad_of(loss, x), grad_of(want, xr), (1e-6, 1e-5), "rl_loss gradient")
@@ -558,11 +559,12 @@ def test_value_errors():
         (lambda: gspo_token_loss(lp, lp, torch.zeros(5), m, eps_low=0, eps_high=0), "advant"),
         (lambda: kl_penalty(lp, lp, "k4"), "unknown KL kind"),
         (lambda: kl_penalty(lp, torch.zeros(3, 2), "k1"), "shape mismatch"),
-        (lambda: rl_objective(lp, lp, a, lp, m, policy_loss="grpo"), "policy_loss"),
-        (lambda: rl_objective(lp, lp, a, lp, m, kl_kind="k9"), "unknown KL kind"),
-        (lambda: rl_objective(lp, lp, a, lp, m, kl_coef=0.1), "ref_logprobs"),
-        (lambda: rl_objective(lp, lp, a, lp, m, entropy_coef=0.1), "entropy"),
-        (lambda: rl_objective(lp, lp, a, lp, m, policy_loss="gspo", dual_clip_c=3.0), "dual"),
+        (lambda: RLObjective(policy_loss="grpo"), "policy_loss"),
+        (lambda: RLObjective(kl_kind="k9"), "unknown KL kind"),
+        (lambda: RLObjective(eps_low=-0.1), "eps"),
+        (lambda: rl_objective(lp, lp, a, lp, m, RLObjective(kl_coef=0.1)), "ref_logprobs"),
+        (lambda: rl_objective(lp, lp, a, lp, m, RLObjective(entropy_coef=0.1)), "entropy"),
+        (lambda: RLObjective(policy_loss="gspo", dual_clip_c=3.0), "dual"),
         (lambda: rl_objective(lp, lp, a, torch.zeros(2, 2), m), "shape mismatch"),
         (lambda: rl_objective(lp, lp, a, lp, m, ref_logprobs=torch.zeros(1)), "shape"),
         (lambda: rl_objective(lp, lp, a, lp, m, entropy=torch.zeros(1)), "shape"),
