@@ -1,4 +1,6 @@
-"""Policy-gradient losses (PPO, dual-clip PPO, GSPO), KL penalties and GRPO advantages.
+"""The RL objective (:class:`RLObjective`, :func:`rl_objective`), its Megatron ``loss_func``
+(:func:`rl_loss`) and GRPO advantages. The per-token policy losses it assembles (PPO, dual-clip
+PPO, GSPO, KL penalties) are in :mod:`megatron_lossfix.policy_losses`, re-exported here.
 
 Tinker semantics (docs/design.md §2): every loss here is a per-token quantity, and the step's loss
 is the plain weighted sum ``sum(weights * per_token_loss)`` with the plugin's globally normalized
@@ -22,6 +24,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
+from megatron_lossfix.policy_losses import (
+    KL_KINDS,
+    POLICY_LOSSES,
+    at_least_fp32,
+    check_eps,
+    check_same_shape,
+    gspo_token_loss,
+    kl_penalty,
+    ppo_token_loss,
+    token_advantages,
+)
 
 __all__ = [
     "KL_KINDS",
@@ -35,172 +48,6 @@ __all__ = [
     "rl_objective",
     "scale_advantages",
 ]
-
-KL_KINDS = ("k1", "k2", "k3")
-POLICY_LOSSES = ("ppo", "gspo")
-
-
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    # Ratios and exps are computed in at least fp32 even for bf16 inputs: exp(logp - old) in bf16
-    # is off by ~1% and would flip clip decisions.
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Broadcast per-sequence ``[b]`` advantages to ``like``'s ``[b, s]``; check shapes."""
-    if advantages.shape == like.shape:
-        return advantages
-    if advantages.dim() == like.dim() - 1 and advantages.shape == like.shape[:-1]:
-        return advantages.unsqueeze(-1)
-    raise ValueError(
-        f"advantages {tuple(advantages.shape)} must be per-token {tuple(like.shape)} "
-        f"or per-sequence {tuple(like.shape[:-1])}"
-    )
-
-
-def _check_same_shape(**tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"shape mismatch: {shapes}")
-
-
-def _check_eps(eps_low: float, eps_high: float) -> None:
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"clip epsilons must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
-
-
-def _clipped_pg(
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    dual_clip_c: float | None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's pessimistic clipped surrogate for a given (differentiable) ratio.
-
-    A branch is "active" where it is the one selected by the max/min, strictly: on ties both
-    branches have the same value and the same gradient, so the unclipped one is reported.
-    """
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    # clipped > unclipped happens only for A > 0, ratio > 1 + eps_high (clip high) or
-    # A < 0, ratio < 1 - eps_low (clip low); there the loss is constant in ratio.
-    clip_active = clipped > unclipped
-    pg = torch.where(clip_active, clipped, unclipped)
-    r = ratio.detach()
-    clip_low = clip_active & (r < 1.0)
-    clip_high = clip_active & (r > 1.0)
-    if dual_clip_c is None:
-        dual = torch.zeros_like(clip_active)
-    else:
-        # Dual clip bounds the loss of negative-advantage tokens whose ratio exploded: pg <= -A*c.
-        lower = -adv * dual_clip_c
-        dual = (adv < 0) & (pg > lower)
-        pg = torch.where(dual, lower.expand_as(pg), pg)
-    indicators = {
-        "clip_low": clip_low.to(r.dtype),
-        "clip_high": clip_high.to(r.dtype),
-        "dual_clip": dual.to(r.dtype),
-        "ratio": r,
-    }
-    return pg, indicators
-
-
-def ppo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token (dual-clip) PPO loss ``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))``.
-
-    With ``dual_clip_c`` (> 1), negative-advantage tokens are further bounded: ``min(pg, -A c)``.
-
-    Args:
-        logprobs: ``[b, s]`` current log-probs (differentiable).
-        old_logprobs: ``[b, s]`` behaviour-policy log-probs (treated as constants).
-        advantages: ``[b, s]`` per token or ``[b]`` per sequence (broadcast over tokens).
-
-    Returns:
-        ``(per_token_loss, indicators)``: the loss ``[b, s]`` (fp32, or fp64 for fp64 inputs) and
-        detached ``[b, s]`` float tensors ``clip_low`` (A < 0 and r < 1-eps_low: clipped branch
-        active), ``clip_high`` (A > 0 and r > 1+eps_high), ``dual_clip`` (A < 0 and -A r > -A c,
-        i.e. r > c) and ``ratio``.
-    """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs)
-    _check_eps(eps_low, eps_high)
-    if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    adv = _acc(_token_advantages(advantages, logprobs).detach())
-    ratio = torch.exp(_acc(logprobs) - _acc(old_logprobs).detach())
-    return _clipped_pg(ratio, adv, eps_low, eps_high, dual_clip_c)
-
-
-def gspo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    eps_low: float,
-    eps_high: float,
-    cp_group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO with a sequence-level ratio, in the GSPO-token form.
-
-    ``s_i = exp(mean over loss tokens of sequence i of (logp - old))``; each token uses
-    ``s_i,t = sg[s_i] * exp(logp_t - sg[logp_t])``, whose value is ``s_i`` and whose gradient
-    is ``s_i * d logp_t``. The clipped objective ``max(-A s_i,t, -A clip(s_i,t))`` is broadcast to
-    every token, so with ``sequence_mean`` weights ``m / (S n_s)`` the weighted sum is the GSPO
-    paper's ``(1/S) sum_i max(-A_i s_i, -A_i clip(s_i))``, value and gradient.
-
-    With context parallelism the sequence is split over ``cp_group``: the per-sequence sum of log
-    ratios and token count are all-reduced there. Because ``s_i`` enters only through a stop-grad,
-    no gradient crosses CP ranks, so a plain all-reduce of detached values gives exact gradients
-    (an autograd-aware all-reduce would add a backward collective that only carries zeros).
-
-    Off-mask tokens get loss 0 and zero gradient; sequences with no loss tokens get ``s_i = 1``.
-
-    Returns:
-        ``(per_token_loss, indicators)`` as :func:`ppo_token_loss`, with ``ratio`` the sequence
-        ratio broadcast to tokens.
-    """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask)
-    _check_eps(eps_low, eps_high)
-    adv = _acc(_token_advantages(advantages, logprobs).detach())
-    mask = loss_mask.bool()
-    logp = _acc(logprobs)
-    # Masked positions may hold garbage (padding); zero their log ratio before any exp so neither
-    # the value nor the gradient can become NaN there.
-    log_ratio = torch.where(mask, logp - _acc(old_logprobs).detach(), torch.zeros_like(logp))
-    seq_stats = torch.stack([log_ratio.detach().sum(-1), mask.to(logp.dtype).sum(-1)])
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        dist.all_reduce(seq_stats, op=dist.ReduceOp.SUM, group=cp_group)
-    seq_log_ratio = seq_stats[0] / seq_stats[1].clamp(min=1.0)
-    token_log_ratio = seq_log_ratio.unsqueeze(-1) + (log_ratio - log_ratio.detach())
-    pg, indicators = _clipped_pg(torch.exp(token_log_ratio), adv, eps_low, eps_high, None)
-    # Off-mask tokens (and so zero-token sequences) contribute exactly 0, whatever the weights.
-    return torch.where(mask, pg, torch.zeros_like(pg)), indicators
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimator from Schulman's "Approximating KL divergence".
-
-    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(ref - logp) - (ref - logp) - 1``
-    (unbiased and non-negative). ``ref_logprobs`` is treated as a constant.
-    """
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; expected one of {KL_KINDS}")
-    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
-    diff = _acc(logprobs) - _acc(ref_logprobs).detach()
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    return torch.expm1(-diff) + diff  # exp(-d) - 1 + d, without cancellation for small d
 
 
 @dataclass(kw_only=True, slots=True)
@@ -239,7 +86,7 @@ class RLObjective:
             raise ValueError(f"unknown KL kind {self.kl_kind!r}; expected one of {KL_KINDS}")
         if self.policy_loss != "ppo" and self.dual_clip_c is not None:
             raise ValueError("dual_clip_c is only supported with policy_loss='ppo'")
-        _check_eps(self.eps_low, self.eps_high)
+        check_eps(self.eps_low, self.eps_high)
 
 
 def rl_objective(
@@ -275,7 +122,7 @@ def rl_objective(
         ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``num_tokens`` (over loss tokens, unweighted).
     """
     obj = RLObjective() if objective is None else objective
-    _check_same_shape(
+    check_same_shape(
         logprobs=logprobs, old_logprobs=old_logprobs, weights=weights, loss_mask=loss_mask
     )
     if obj.kl_coef != 0.0 and ref_logprobs is None:
@@ -306,9 +153,9 @@ def rl_objective(
             eps_high=obj.eps_high,
             cp_group=cp_group,
         )
-    w = _acc(weights).detach()
+    w = at_least_fp32(weights).detach()
     if ref_logprobs is not None:
-        _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+        check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
         ref_logprobs = torch.where(mask, ref_logprobs, logp_const)
     total, kl_sum, entropy_sum = _regularized(pg, w, mask, obj, logprobs, ref_logprobs, entropy)
     stats = _rl_stats(pg, w, mask, ind)
@@ -335,8 +182,8 @@ def _regularized(
         total = total + obj.kl_coef * kl
         kl_sum = (w * kl.detach()).sum()
     if entropy is not None:
-        _check_same_shape(logprobs=logprobs, entropy=entropy)
-        ent = torch.where(mask, _acc(entropy), torch.zeros_like(pg))
+        check_same_shape(logprobs=logprobs, entropy=entropy)
+        ent = torch.where(mask, at_least_fp32(entropy), torch.zeros_like(pg))
         total = total - obj.entropy_coef * ent
         entropy_sum = (w * ent.detach()).sum()
     # where() rather than relying on w == 0 alone: a NaN entropy on padding would survive 0 * NaN.
@@ -430,7 +277,7 @@ def grpo_advantages(
         raise ValueError(f"rewards must be 1-D [num_seqs], got shape {tuple(rewards.shape)}")
     if (group_size is None) == (group_ids is None):
         raise ValueError("give exactly one of group_size or group_ids")
-    r = _acc(rewards) if rewards.is_floating_point() else rewards.float()
+    r = at_least_fp32(rewards) if rewards.is_floating_point() else rewards.float()
     n = r.shape[0]
     if group_size is not None:
         if group_size < 1 or n % group_size != 0:
@@ -463,4 +310,4 @@ def scale_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.T
     ``sum(-scale_advantages(A, w) * ratio) == sum(w * -A * ratio)``: a plain sum of the result is
     the normalized loss, so the normalization can ride on the advantages instead of the loss.
     """
-    return _token_advantages(advantages, weights) * weights
+    return token_advantages(advantages, weights) * weights

@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "reduction": MATH,
     "config": MATH,
     "losses": MATH,
+    "policy_losses": MATH,
     "rl_losses": MATH,
     "logprobs": MATH,
     "datasets": MATH,
