@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     # verification harness
     "audit": HARNESS,
     "audit_report": HARNESS,
+    "audit_options": HARNESS,
     "testing": HARNESS,
     "testing.*": HARNESS,
     # command-line dispatcher
