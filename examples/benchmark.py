@@ -173,7 +173,7 @@ class Bench:
         for per_token in sorted({VARIANTS[n][1] for n in names}):
             chunks, _ = build_model(args, layout, tokenizer, per_token, bf16=args.bf16)
             config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=args.bf16)
-            self.models[per_token] = (chunks[0], get_megatron_optimizer(config, chunks))
+            self.models[per_token] = (chunks, get_megatron_optimizer(config, chunks))
         self.schedules = {n: get_forward_backward_func() for n in names if not VARIANTS[n][0]}
         for name in set(names) - set(self.schedules):
             mode = VARIANTS[name][0]
@@ -198,12 +198,12 @@ class Bench:
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:
         """One training step; this rank's seconds: wall time and the schedule call's."""
         mode, per_token = VARIANTS[name]
-        (model, optimizer), schedule = self.models[per_token], self.schedules[name]
+        (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
         mbs, args = self.batches[index % len(self.batches)], self.args
         _sync()
         t0 = time.perf_counter()
         result = train_step(
-            schedule, partial(_forward_step, mode is not None, workload), [model], mbs, optimizer,
+            schedule, partial(_forward_step, mode is not None, workload), chunks, mbs, optimizer,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, timed=True,
         )  # fmt: skip
         reports = result.reports
