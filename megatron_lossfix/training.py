@@ -166,6 +166,7 @@ def transformer_config(layout: Layout, **fields: Any) -> Any:
             # output and autograd refuses (on any device); MoE models run without linear biases.
             add_bias_linear=False,
         )
+    # A None field keeps the value above (e.g. ffn_hidden_size=None: 4 x hidden_size).
     fields = {k: v for k, v in fields.items() if v is not None or k not in base}
     return TransformerConfig(**{**base, **fields})
 
