@@ -61,7 +61,7 @@ from megatron_lossfix import REDUCTIONS, LossFixConfig, LossFixSchedule, weighte
 from megatron_lossfix.cpu_compat import quiet_repeated_megatron_warnings
 from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records, microbatches
 from megatron_lossfix.rl_losses import rl_loss
-from megatron_lossfix.testing.tiny_gpt import Layout, init_layout
+from megatron_lossfix.training import Layout, init_layout, train_step
 
 WORKLOADS = ("sft", "rl")
 CUDA = torch.cuda.is_available()
@@ -173,7 +173,7 @@ class Bench:
         for per_token in sorted({VARIANTS[n][1] for n in names}):
             chunks, _ = build_model(args, layout, tokenizer, per_token, bf16=args.bf16)
             config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=args.bf16)
-            self.models[per_token] = (chunks[0], get_megatron_optimizer(config, chunks))
+            self.models[per_token] = (chunks, get_megatron_optimizer(config, chunks))
         self.schedules = {n: get_forward_backward_func() for n in names if not VARIANTS[n][0]}
         for name in set(names) - set(self.schedules):
             mode = VARIANTS[name][0]
@@ -198,21 +198,15 @@ class Bench:
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:
         """One training step; this rank's seconds: wall time and the schedule call's."""
         mode, per_token = VARIANTS[name]
-        (model, optimizer), schedule = self.models[per_token], self.schedules[name]
+        (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
         mbs, args = self.batches[index % len(self.batches)], self.args
         _sync()
         t0 = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        t1 = time.perf_counter()
-        reports = schedule(
-            forward_step_func=partial(_forward_step, mode is not None, workload),
-            data_iterator=iter(mbs), model=model, num_microbatches=len(mbs), forward_only=False,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        result = train_step(
+            schedule, partial(_forward_step, mode is not None, workload), chunks, mbs, optimizer,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, timed=True,
         )  # fmt: skip
-        _sync()
-        fb = time.perf_counter() - t1
-        optimizer.step()
+        reports = result.reports
         if mode is None:  # Megatron-LM's train_step: sum [loss, tokens], all-reduce over DP
             val = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
             dist.all_reduce(val, group=self.dp_group)
@@ -221,7 +215,7 @@ class Bench:
             schedule.step_metrics()
         _sync()
         wall = time.perf_counter() - t0
-        return {"step_s": wall, "fb_s": fb}
+        return {"step_s": wall, "fb_s": result.forward_backward_s}
 
     def tensor_peak(self, name: str, workload: str) -> float:
         """Peak bytes of live tensors allocated during one step, above those before it (max over

@@ -247,7 +247,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def _deterministic_weights(seed: int) -> Any:
-    from megatron_lossfix.testing.tiny_gpt import set_deterministic_params
+    from megatron_lossfix.training import set_deterministic_params
 
     def hook(chunks: list) -> list:
         set_deterministic_params(chunks, seed)

@@ -1,6 +1,10 @@
 """What the example scripts share: Megatron-LM flags, start-up, model and optimizer, one training
 step through the plugin's schedule, and the per-iteration metrics record and log line.
 
+The model is built the way a Megatron user builds one (:func:`build_model`): a
+``TransformerConfig`` and a layer spec from the flags, a ``model_provider``, Megatron DDP. That
+is where your own model provider goes.
+
 ``pretrain_gpt.py`` and ``grpo_gpt.py`` differ only in their data and their loss; everything
 here is the same code for both, so a layout behaves the same way in either script. Imported as
 ``from common import ...``: the scripts run as files, which puts this directory on ``sys.path``.
@@ -28,17 +32,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_lossfix
-from megatron_lossfix import LossFixConfig, LossFixSchedule
+from megatron_lossfix import LossFixConfig, LossFixSchedule, training
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
 from megatron_lossfix.datasets import ByteTokenizer, DataStats
 from megatron_lossfix.selfcheck import SelfCheckError, with_self_check
-from megatron_lossfix.testing.tiny_gpt import (
-    Layout,
-    build_tiny_gpt,
-    init_layout,
-    set_deterministic_params,
-)
+from megatron_lossfix.training import Layout, init_layout
 
 __all__ = [
     "ExampleArgumentParser",
@@ -509,25 +508,18 @@ class ExampleRun:
     def train_step(self, forward_step: Callable, mbs: Sequence[dict]) -> tuple[float, dict]:
         """One optimizer step over this rank's micro-batches; returns the grad norm (before
         clipping, over all shards) and the step's global metrics (``schedule.step_metrics``)."""
-        args, chunks = self.args, self.chunks
         # The data is built on the host; a no-op on CPU runs.
         mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        # Every model chunk (virtual pipeline stage) reads the same micro-batches.
-        iterators = [iter(mbs) for _ in chunks]
-        self.schedule(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(mbs),
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
+        result = training.train_step(
+            self.schedule,
+            forward_step,
+            self.chunks,
+            mbs,
+            self.optimizer,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
         )
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm), self.schedule.step_metrics()
+        return result.grad_norm, self.schedule.step_metrics()
 
     def report(
         self,
@@ -593,23 +585,42 @@ def build_model(
 ) -> tuple[list, Any]:
     """This rank's GPT chunks (Megatron DDP) from the model flags, with the global weights that
     ``--seed`` gives under any layout, so runs can be compared step by step. ``bf16``:
-    Megatron-LM's ``--bf16`` (bf16 model in Float16Module, fp32 main gradients)."""
-    chunks, model_config = build_tiny_gpt(
+    Megatron-LM's ``--bf16`` (bf16 model in Float16Module, fp32 main gradients).
+
+    Your model goes here: a ``TransformerConfig``, a layer spec and a ``model_provider``."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    vocab_size = tokenizer.padded_vocab_size(8)
+    moe = {}
+    if args.num_experts:
+        moe = dict(num_moe_experts=args.num_experts, moe_aux_loss_coeff=args.moe_aux_loss_coeff)
+    config = training.transformer_config(
         layout,
         num_layers=args.num_layers,
-        hidden=args.hidden_size,
-        heads=args.num_attention_heads,
-        vocab=tokenizer.padded_vocab_size(8),
-        seq_len=args.seq_length,
-        num_experts=args.num_experts,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        calculate_per_token_loss=calculate_per_token_loss,
         mtp_num_layers=args.mtp_num_layers,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-        position_embedding_type=args.position_embedding_type,
-        no_attention=args.no_attention,
-        calculate_per_token_loss=calculate_per_token_loss,
-        transformer_impl=args.transformer_impl,
         bf16=bf16,
+        **moe,
     )
-    set_deterministic_params(chunks, args.seed)
-    return chunks, model_config
+    # TransformerConfig has no field for these; the scripts building batches read them.
+    config.vocab_size, config.seq_length = vocab_size, args.seq_length
+    use_te = args.transformer_impl == "transformer_engine"
+    spec = training.gpt_layer_spec(
+        args.transformer_impl, num_experts=args.num_experts, no_attention=args.no_attention
+    )
+    model_provider = training.gpt_model_provider(
+        config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=args.seq_length,
+        use_transformer_engine=use_te,
+        position_embedding_type=args.position_embedding_type,
+    )
+    # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16)
+    chunks = training.build_model(model_provider, config, ddp_config)
+    training.set_deterministic_params(chunks, args.seed)
+    return chunks, config

@@ -4,9 +4,10 @@ over DP x CP on the loss stage and, with pipeline parallelism, two over the pipe
 Inside the pool's worker ranks every ``torch.distributed`` collective and point-to-point entry
 point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
 counter keyed by the op and the global ranks of its group (``"all_reduce@0,1"``). One training
-step -- Megatron's schedule with DDP and ``finalize_model_grads``, then ``optimizer.step()`` --
-is counted for stock Megatron (its own ``get_forward_backward_func()`` with the stock loss
-``(sum(m*l), m.sum(), report)``) and for every mode through ``LossFixSchedule``.
+step -- Megatron's schedule with DDP and ``finalize_model_grads``, then ``optimizer.step()``:
+``megatron_lossfix.training.train_step``, the examples' step -- is counted for stock Megatron
+(its own ``get_forward_backward_func()`` with the stock loss ``(sum(m*l), m.sum(), report)``)
+and for every mode through ``LossFixSchedule``.
 ``schedule.step_metrics()`` is not part of the step and is not counted.
 
 Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, looked on).
@@ -179,20 +180,11 @@ def _plugin_forward_step(data_iterator: Any, model: Any) -> tuple:
     return output, partial(weighted_loss, batch.get("loss_weights"))  # None off the loss stage
 
 
-def _step_counts(
-    layout: Layout, per_token: bool, variants: tuple[str, ...], empty_last_dp_rank: bool
-) -> dict[str, Any]:
-    """Pool worker: count one training step per variant (``stock`` or a mode) on this rank.
-
-    ``empty_last_dp_rank``: the last DP rank's loss masks are all zero (no loss token on that
-    rank; with DP=1 the whole mini-batch is empty)."""
-    import torch.distributed as dist
+def _rank_setup(layout: Layout, per_token: bool, empty_last_dp_rank: bool) -> tuple:
+    """This rank's model chunks, Adam optimizer and micro-batches for the counted steps."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.schedule import LossFixSchedule
     from megatron_lossfix.testing.tiny_gpt import (
         build_tiny_gpt,
         init_layout,
@@ -209,30 +201,44 @@ def _step_counts(
     )
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch = make_global_batch(CASE, config.vocab_size)
-    per_rank = CASE.global_batch_size // dp
-    mbs = _microbatches(batch, dp_rank, per_rank)
+    mbs = _microbatches(batch, dp_rank, CASE.global_batch_size // dp)
     if empty_last_dp_rank and dp_rank == dp - 1:
         mbs = [{**mb, "loss_mask": torch.zeros_like(mb["loss_mask"])} for mb in mbs]
+    return chunks, optimizer, mbs
+
+
+def _step_counts(
+    layout: Layout, per_token: bool, variants: tuple[str, ...], empty_last_dp_rank: bool
+) -> dict[str, Any]:
+    """Pool worker: count one training step per variant (``stock`` or a mode) on this rank.
+
+    ``empty_last_dp_rank``: the last DP rank's loss masks are all zero (no loss token on that
+    rank; with DP=1 the whole mini-batch is empty)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.training import train_step
+
+    chunks, optimizer, mbs = _rank_setup(layout, per_token, empty_last_dp_rank)
 
     def step(variant: str) -> None:
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
         if variant == "stock":
             func, forward_step = get_forward_backward_func(), _stock_forward_step
         else:
             func = LossFixSchedule(LossFixConfig(reduction=variant, norm_constant=16.0))
             forward_step = _plugin_forward_step
-        func(
-            forward_step_func=forward_step,
-            data_iterator=iter(mbs),
-            model=chunks[0],
-            num_microbatches=NUM_MICROBATCHES,
+        train_step(
+            func,
+            forward_step,
+            chunks,
+            mbs,
+            optimizer,
             seq_length=CASE.seq_length,
-            micro_batch_size=per_rank // NUM_MICROBATCHES,
-            forward_only=False,
+            micro_batch_size=mbs[0]["tokens"].shape[0],
         )
-        optimizer.step()
 
     # One uncounted step first: anything lazily set up on a first step is not the plugin's.
     step("stock")

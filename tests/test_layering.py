@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "megatron_lm": INTEGRATION,
     "bridge": INTEGRATION,
     "patches": INTEGRATION,
+    "training": INTEGRATION,
     # the package's public names
     "": API,
     # verification harness

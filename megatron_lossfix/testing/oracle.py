@@ -44,7 +44,8 @@ class OracleCase:
     per_token: bool = False
     """Megatron's ``calculate_per_token_loss``."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra arguments of ``build_tiny_gpt`` (experts, no_attention, ...)."""
+    """Extra :class:`~megatron_lossfix.testing.tiny_gpt.TinyGPT` fields (experts,
+    no_attention, ...) or TransformerConfig fields."""
     schedule_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``LossFixConfig`` fields."""
     microbatch_counts: Sequence[int] | None = None
@@ -215,6 +216,27 @@ def _optimizer_step(optimizer: Any, chunks: list, gather_full_params: Any) -> di
     return {"grad_norm": float(grad_norm), "update": {k: after[k] - before[k] for k in after}}
 
 
+def _local_microbatches(
+    case: OracleCase, chunks: list, vocab_size: int, num_microbatches: int
+) -> list[dict]:
+    """This rank's micro-batches of the global batch (CP-sharded or packed as the case says)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.megatron_compat import slice_batch_for_cp
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    plan = microbatch_plan(case, dp, num_microbatches)
+    batch = _on_model_device(make_global_batch(case, vocab_size), chunks)
+    start = sum(sum(sizes) for sizes in plan[:dp_rank])
+    local = {k: v[start : start + sum(plan[dp_rank])] for k, v in batch.items()}
+    mbs = _split(local, plan[dp_rank])
+    if case.schedule_kwargs.get("data_is_cp_sharded", False):
+        mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
+    if case.packed:
+        mbs = [_pack(mb) for mb in mbs]
+    return mbs
+
+
 def layout_grads(
     layout: Any, case: OracleCase, modes: Sequence[str], num_microbatches: int
 ) -> dict[str, Any] | None:
@@ -224,64 +246,80 @@ def layout_grads(
     from megatron.core import parallel_state as ps
 
     from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.megatron_compat import slice_batch_for_cp
     from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.testing.tiny_gpt import (
-        build_tiny_gpt,
-        gather_full_grads,
-        gather_full_params,
-        init_layout,
-        set_deterministic_params,
-    )
+    from megatron_lossfix.testing import tiny_gpt
+    from megatron_lossfix.training import train_step
 
-    init_layout(layout)
-    chunks, config = build_tiny_gpt(
+    tiny_gpt.init_layout(layout)
+    # Looked up on the module when called: tests may wrap it to inspect the chunks.
+    chunks, config = tiny_gpt.build_tiny_gpt(
         layout,
         seq_len=case.seq_length,
         calculate_per_token_loss=case.per_token,
         **case.model_kwargs,
     )
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    plan = microbatch_plan(case, dp, num_microbatches)
-    batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
-    start = sum(sum(sizes) for sizes in plan[:dp_rank])
-    local = {k: v[start : start + sum(plan[dp_rank])] for k, v in batch.items()}
-    mbs = _split(local, plan[dp_rank])
+    mbs = _local_microbatches(case, chunks, config.vocab_size, num_microbatches)
     sharded = case.schedule_kwargs.get("data_is_cp_sharded", False)
-    if sharded:
-        mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
-    if case.packed:
-        mbs = [_pack(mb) for mb in mbs]
     step = partial(_forward_step, case)
     if not sharded and ps.get_context_parallel_world_size() > 1:
         step = partial(_cp_slicing_forward_step, step)
     out: dict[str, Any] = {}
     for mode in modes:
-        set_deterministic_params(chunks, case.seed)
+        tiny_gpt.set_deterministic_params(chunks, case.seed)
         distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
         optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
         schedule = LossFixSchedule(
             LossFixConfig(reduction=mode, norm_constant=case.norm_constant, **case.schedule_kwargs)
         )
-        iterators = [iter(mbs) for _ in chunks]
-        schedule(
-            forward_step_func=step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(mbs),
+        # No optimizer here: the gradients are gathered before _optimizer_step.
+        train_step(
+            schedule,
+            step,
+            chunks,
+            mbs,
             # Megatron divides the pipeline's seq_length by CP itself.
             seq_length=mbs[0]["tokens"].shape[1]
             * (ps.get_context_parallel_world_size() if sharded else 1),
             micro_batch_size=mbs[0]["tokens"].shape[0],
-            forward_only=False,
         )
-        result = {"grads": gather_full_grads(chunks), "metrics": schedule.step_metrics()}
+        result = {"grads": tiny_gpt.gather_full_grads(chunks), "metrics": schedule.step_metrics()}
         if optimizer is not None:
-            result.update(_optimizer_step(optimizer, chunks, gather_full_params))
+            result.update(_optimizer_step(optimizer, chunks, tiny_gpt.gather_full_params))
         out[mode] = result
     return out if torch.distributed.get_rank() == 0 else None
+
+
+def _reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
+    """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
+    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
+    from megatron_lossfix.reduction import loss_weights
+
+    target = "token_mean" if mode == "off" else mode
+
+    def weights_of(mask: torch.Tensor) -> torch.Tensor:
+        if target != "token_mean_legacy":
+            return loss_weights([mask], target, norm_constant=case.norm_constant)[0]
+        rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
+        return torch.cat(
+            [
+                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
+                for masks, sizes in zip(rank_masks, plan, strict=True)
+            ]
+        ) / len(plan)
+
+    return weights_of
+
+
+def _set_moe_aux_scale(config: Any, device: torch.device) -> None:
+    """The aux losses' backward reads a class-wide scale that Megatron's schedule sets; set
+    what it would set for one rank and one micro-batch. Left unset, the backward would store a
+    0-dim 1.0 there, which a later schedule call in this process cannot copy its [1]-shaped
+    scale into (and a scale left by an earlier schedule call would be used)."""
+    if not getattr(config, "num_moe_experts", None):
+        return
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
 
 
 def reference_grads(
@@ -291,12 +329,10 @@ def reference_grads(
     ``{"grads", "loss"}`` plus ``{"grad_norm", "update"}`` with ``case.optimizer``.
 
     ``plan`` (each DP rank's micro-batch sizes, :func:`microbatch_plan`) matters only for
-    ``token_mean_legacy``, whose weights depend on the micro-batches: each rank's are
-    ``loss_weights`` of its own micro-batches, divided by D. ``off`` is compared with
+    ``token_mean_legacy`` (see :func:`_reference_weights`). ``off`` is compared with
     ``token_mean``. Must run on a rank whose process group has exactly one rank.
     """
     from megatron_lossfix.losses import weighted_sum
-    from megatron_lossfix.reduction import loss_weights
     from megatron_lossfix.testing.tiny_gpt import (
         Layout,
         build_tiny_gpt,
@@ -315,18 +351,7 @@ def reference_grads(
     set_deterministic_params(chunks, case.seed)
     optimizer = _optimizer(case, chunks, distributed=False) if case.optimizer else None
     batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
-    target = "token_mean" if mode == "off" else mode
-
-    def weights_of(mask: torch.Tensor) -> torch.Tensor:
-        if target != "token_mean_legacy":
-            return loss_weights([mask], target, norm_constant=case.norm_constant)[0]
-        rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
-        return torch.cat(
-            [
-                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
-                for masks, sizes in zip(rank_masks, plan, strict=True)
-            ]
-        ) / len(plan)
+    weights_of = _reference_weights(case, mode, plan)
 
     model = chunks[0]
     model.zero_grad_buffer()
@@ -342,14 +367,7 @@ def reference_grads(
         mtp_losses = _reference_mtp_losses(batch, mtp_logits(), weights_of)
         scale = config.mtp_loss_scaling_factor / len(mtp_losses)
         loss = loss + scale * torch.stack(mtp_losses).sum()
-    if getattr(config, "num_moe_experts", None):
-        # The aux losses' backward reads a class-wide scale that Megatron's schedule sets; set
-        # what it would set for one rank and one micro-batch. Left unset, the backward would
-        # store a 0-dim 1.0 there, which a later schedule call in this process cannot copy its
-        # [1]-shaped scale into (and a scale left by an earlier schedule call would be used).
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=loss.device))
+    _set_moe_aux_scale(config, loss.device)
     loss.backward()
     model.finish_grad_sync()
     result = {"grads": gather_full_grads(chunks), "loss": main_loss}

@@ -1,15 +1,12 @@
-"""A tiny Megatron-Core GPT under any parallel layout, with layout-independent weights and grads.
+"""The harness's tiny Megatron-Core GPT, under any parallel layout, and its full gradients.
 
 For gradient-oracle tests (docs/design.md §8), called inside `DistPool` workers (or any process
-group): `init_layout` sets up Megatron's parallel state, `build_tiny_gpt` builds the real GPTModel
-chunks wrapped in Megatron DDP, `set_deterministic_params` gives every layout the same global
-weights, and `gather_full_grads` (`gather_full_params`) reassembles the full, unsharded gradient
-(parameters) on global rank 0.
+group). The model is built the way the examples build theirs (`megatron_lossfix.training`: a
+TransformerConfig and a layer spec, a model provider, Megatron DDP); this module only describes
+the tiny model (:class:`TinyGPT`) and adds what tests need beyond training:
+`gather_full_grads` (`gather_full_params`) reassembles the full, unsharded gradient (parameters)
+on global rank 0 under the layout-independent names of `training.canonical_params`.
 
-Canonical parameter names are layout-independent: DDP's `module.` prefixes are stripped, layer
-indices are global (`decoder.layers.{i}` with i = layer_number - 1 across pipeline stages and
-virtual chunks), expert indices are global (`local_experts.{j}` with j counted over all EP ranks),
-and a tied output layer on the last pipeline stage is named after the word embedding it mirrors.
 A full tensor is the concatenation of the TP shards along `partition_dim`: the QKV and gelu fc1
 layouts are Megatron's checkpoint layouts, so a 1-rank model and any sharded one agree.
 (Gated MLPs such as swiglu interleave per-shard halves and are not supported.)
@@ -18,352 +15,164 @@ layouts are Megatron's checkpoint layouts, so a 1-rank model and any sharded one
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.cpu_compat import is_cpu_mode
+from megatron_lossfix.training import (
+    Layout,
+    build_model,
+    canonical_params,
+    gpt_layer_spec,
+    gpt_model_provider,
+    init_layout,
+    set_deterministic_params,
+    transformer_config,
+)
+
+__all__ = [
+    "Layout",
+    "TinyGPT",
+    "build_tiny_gpt",
+    "gather_full_grads",
+    "gather_full_params",
+    "init_layout",
+    "set_deterministic_params",
+]
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A parallel layout. `dp=None` is derived from the world size by `init_layout`.
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TinyGPT:
+    """The tiny GPT of the tests: fp32, dropout 0, gelu MLP, local layer spec by default."""
 
-    `vpp` is the number of virtual pipeline stages (model chunks) per PP rank, or None.
-    Expert parallelism (`ep`) splits the experts over the TP×CP×DP ranks of a pipeline stage
-    (Megatron's expert grid); it does not enter the world size.
-    """
+    num_layers: int = 4
+    """Transformer layers over all pipeline stages."""
+    hidden: int = 32
+    """Hidden size."""
+    heads: int = 4
+    """Attention heads."""
+    vocab: int = 264
+    """Vocabulary size (divisible by TP)."""
+    seq_len: int = 16
+    """Maximum sequence length (learned absolute positions)."""
+    ffn_hidden: int | None = None
+    """MLP hidden size; None: 4 x hidden."""
+    num_experts: int | None = None
+    """MoE experts per layer; None: a dense MLP."""
+    moe_router_topk: int = 2
+    """Experts per token (MoE only)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss weight (MoE only)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction layers."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` or ``rope``."""
+    no_attention: bool = False
+    """Attention replaced by identity, so that CP is exact without Transformer Engine."""
+    tie_embeddings: bool = False
+    """Share the word embedding with the output layer."""
+    calculate_per_token_loss: bool = False
+    """Megatron's ``calculate_per_token_loss``."""
+    overlap_grad_reduce: bool = False
+    """DDP's overlapped gradient reduce (sets the config's sync functions)."""
+    use_distributed_optimizer: bool = False
+    """DDP buffers laid out for Megatron's distributed optimizer."""
+    bucket_size: int | None = None
+    """DDP bucket size in elements; None: Megatron's default."""
+    lora_rank: int | None = None
+    """With a rank: a frozen base and LoRA adapters (``megatron_lossfix.lora``)."""
+    transformer_impl: str = "local"
+    """``local`` or ``transformer_engine`` (CUDA only)."""
+    bf16: bool = False
+    """Megatron-LM's ``--bf16``: bf16 weights in Float16Module, fp32 main gradients."""
+    config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Further TransformerConfig fields, applied last."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    dp: int | None = None
-    cp: int = 1
-    ep: int = 1
-
-    @property
-    def world_size(self) -> int:
-        if self.dp is None:
-            raise ValueError("world_size needs dp; set it or call init_layout first")
-        return self.tp * self.pp * self.cp * self.dp
-
-
-def _world_timeout_minutes() -> float:
-    """The default group's timeout, so that Megatron's subgroups fail as fast as it does."""
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        return backend.options._timeout.total_seconds() / 60
-    except (AttributeError, RuntimeError):
-        return 30.0  # Megatron's own default
-
-
-def init_layout(layout: Layout, seed: int = 1234) -> Layout:
-    """(Re)initialize Megatron's parallel state for `layout` on the current world.
-
-    Also seeds Megatron's RNG tracker (in CPU mode that reseeds torch's CPU generator, which
-    stands in for the CUDA one). Megatron's subgroups get the default group's timeout. Returns
-    the layout with `dp` filled in.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    world = dist.get_world_size()
-    model_parallel = layout.tp * layout.pp * layout.cp
-    if world % model_parallel:
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp={model_parallel}")
-    dp = world // model_parallel
-    if layout.dp is not None and layout.dp != dp:
-        raise ValueError(f"{layout} needs {layout.world_size} ranks, the world has {world}")
-    layout = dataclasses.replace(layout, dp=dp)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        distributed_timeout_minutes=_world_timeout_minutes(),
-    )
-    model_parallel_cuda_manual_seed(seed)
-    return layout
-
-
-def _layer_spec(num_experts: int | None, no_attention: bool, transformer_impl: str) -> Any:
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-
-    if transformer_impl == "transformer_engine":
-        if no_attention:
-            raise ValueError("no_attention is for CPU runs without Transformer Engine")
-        # Needs CUDA and Transformer Engine; its attention supports context parallelism.
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False
-        )
-    if transformer_impl != "local":
-        raise ValueError(
-            f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}"
-        )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
-    if no_attention:
-        # The attention block becomes x -> x (no norm, no attention, no residual add): tokens
-        # never mix, so sharding the sequence over CP ranks is exact without TE's CP attention.
-        from megatron.core.transformer.enums import AttnMaskType
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        sub = dataclasses.replace(
-            spec.submodules,
-            input_layernorm=IdentityOp,
-            # MTP layers read the attention's mask type from the spec's params.
-            self_attention=ModuleSpec(
-                module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal}
-            ),
-            self_attn_bda=IdentityFuncOp,
-        )
-        spec = dataclasses.replace(spec, submodules=sub)
-    return spec
-
-
-def build_tiny_gpt(
-    layout: Layout,
-    *,
-    num_layers: int = 4,
-    hidden: int = 32,
-    heads: int = 4,
-    vocab: int = 264,
-    seq_len: int = 16,
-    ffn_hidden: int | None = None,
-    num_experts: int | None = None,
-    moe_router_topk: int = 2,
-    moe_aux_loss_coeff: float = 0.0,
-    mtp_num_layers: int | None = None,
-    position_embedding_type: str = "learned_absolute",
-    no_attention: bool = False,
-    tie_embeddings: bool = False,
-    calculate_per_token_loss: bool = False,
-    overlap_grad_reduce: bool = False,
-    use_distributed_optimizer: bool = False,
-    bucket_size: int | None = None,
-    lora_rank: int | None = None,
-    transformer_impl: str = "local",
-    bf16: bool = False,
-    **config_kwargs: Any,
-) -> tuple[list, Any]:
-    """Build the GPTModel chunks of this rank, wrapped in Megatron DDP, plus their config.
-
-    Call `init_layout(layout)` first. fp32, dropout 0, gelu MLP, learned absolute positions, local
-    (non-TE) layer spec; one chunk per virtual pipeline stage. The returned config also carries
-    `vocab_size` and `seq_length`. `config_kwargs` go to
-    TransformerConfig. The config gets `finalize_model_grads_func` (and, when overlapping the
-    grad reduce, `no_sync_func` / `grad_sync_func`) set the way Megatron-LM's training loop does.
-    With `lora_rank`, each chunk gets a frozen base and LoRA adapters of that rank
-    (`megatron_lossfix.lora.apply_lora`) before the DDP wrap. `transformer_impl` picks the local
-    layer spec or Transformer Engine's (CUDA only). On a GPU run the chunks move to the current
-    CUDA device; under `cpu_compat` they stay on the CPU. `bf16` builds the model the way
-    Megatron-LM's `--bf16` does: bf16 weights inside `Float16Module`, gradients accumulated and
-    reduced in fp32 (`main_grad`).
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kwargs: dict[str, Any] = dict(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        ffn_hidden_size=ffn_hidden or 4 * hidden,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        # Needs Apex/TE LayerNorm; so on CPU there is no MoE with TP > 1 (Megatron requires SP).
-        sequence_parallel=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        gated_linear_unit=False,
-        # Fused kernels need CUDA or torch.jit; the plain paths compute the same thing.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        calculate_per_token_loss=calculate_per_token_loss,
-    )
-    if bf16:
-        kwargs.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    if layout.vpp:
-        # Megatron-LM's interleaved defaults. Batched p2p posts send_prev and send_next in one
-        # batch; with PP=2 both go to the same peer and pair up crossed (activations received as
-        # gradients, silently: Megatron-LM #750, #1450). Not CPU-specific.
-        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    if mtp_num_layers:
-        kwargs.update(mtp_num_layers=mtp_num_layers)
-    if num_experts:
-        kwargs.update(
-            num_moe_experts=num_experts,
-            moe_router_topk=moe_router_topk,
-            moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_ffn_hidden_size=kwargs["ffn_hidden_size"],
-            # gloo's all_to_all takes no split sizes, which the alltoall dispatcher needs.
-            moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False,
-            # Megatron's SequentialMLP adds the expert bias in place into a custom Function's
-            # output and autograd refuses (on any device); MoE models run without linear biases.
-            add_bias_linear=False,
-        )
-    config = TransformerConfig(**{**kwargs, **config_kwargs})
-    spec = _layer_spec(num_experts, no_attention, transformer_impl)
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=use_distributed_optimizer,
-        bucket_size=bucket_size,
-        # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
-        grad_reduce_in_fp32=bf16,
-    )
-    chunks = []
-    for vp_stage in range(layout.vpp or 1):
-        vp = vp_stage if layout.vpp else None
-        mtp_spec = None
-        if mtp_num_layers:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-            # None on the ranks that hold no MTP layer (all but the last stage).
-            mtp_spec = get_gpt_mtp_block_spec(
-                config, spec, use_transformer_engine=transformer_impl != "local", vp_stage=vp
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "heads", "vocab", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TinyGPT.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(
+                "transformer_impl must be 'local' or 'transformer_engine', got "
+                f"{self.transformer_impl!r}"
             )
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=seq_len,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=tie_embeddings,
-            position_embedding_type=position_embedding_type,
-            vp_stage=vp,
-            mtp_block_spec=mtp_spec,
+
+    def transformer_config(self, layout: Layout) -> Any:
+        """The TransformerConfig for ``layout``; it also carries ``vocab_size``, ``seq_length``."""
+        fields: dict[str, Any] = dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            ffn_hidden_size=self.ffn_hidden,
+            calculate_per_token_loss=self.calculate_per_token_loss,
         )
-        if lora_rank:
-            from megatron_lossfix.lora import apply_lora
+        if self.bf16:
+            fields.update(bf16=True)
+        if self.mtp_num_layers:
+            fields.update(mtp_num_layers=self.mtp_num_layers)
+        if self.num_experts:
+            fields.update(
+                num_moe_experts=self.num_experts,
+                moe_router_topk=self.moe_router_topk,
+                moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+            )
+        config = transformer_config(layout, **{**fields, **self.config_overrides})
+        # TransformerConfig has no field for these; callers building batches need them.
+        config.vocab_size, config.seq_length = self.vocab, self.seq_len
+        return config
 
-            # Before DDP, which allocates grad buffers only for trainable parameters.
-            apply_lora(model, rank=lora_rank)
-        if torch.cuda.is_available() and not is_cpu_mode():
-            model.cuda(torch.cuda.current_device())
-        if bf16:
-            model = Float16Module(config, model)
-        # As Megatron-LM: only the first chunk's buffer is split into buckets.
-        chunks.append(
-            DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0)
+    def build(self, layout: Layout) -> tuple[list, Any]:
+        """This rank's DDP-wrapped chunks (one per virtual pipeline stage) and their config."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        config = self.transformer_config(layout)
+        spec = gpt_layer_spec(
+            self.transformer_impl, num_experts=self.num_experts, no_attention=self.no_attention
         )
+        provider = gpt_model_provider(
+            config,
+            spec,
+            vocab_size=self.vocab,
+            max_sequence_length=self.seq_len,
+            use_transformer_engine=self.transformer_impl != "local",
+            share_embeddings_and_output_weights=self.tie_embeddings,
+            position_embedding_type=self.position_embedding_type,
+        )
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            bucket_size=self.bucket_size,
+            # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
+            grad_reduce_in_fp32=self.bf16,
+        )
+        chunks = build_model(provider, config, ddp_config, model_hook=self._lora_hook())
+        return chunks, config
 
-    config.finalize_model_grads_func = finalize_model_grads
-    # TransformerConfig has no field for these; callers building batches need them.
-    config.vocab_size, config.seq_length = vocab, seq_len
-    if overlap_grad_reduce:
-        no_sync = [chunk.no_sync for chunk in chunks]
-        grad_sync = [chunk.start_grad_sync for chunk in chunks]
-        config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
-        config.grad_sync_func = grad_sync[0] if len(chunks) == 1 else grad_sync
-    return chunks, config
+    def _lora_hook(self) -> Any:
+        if not self.lora_rank:
+            return None
+        from megatron_lossfix.lora import apply_lora
+
+        rank = self.lora_rank
+        return lambda model: apply_lora(model, rank=rank)
 
 
-# -- canonical names ------------------------------------------------------------------------------
-
-_LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"(\.experts\.local_experts\.)(\d+)\.")
+_TINY_GPT_FIELDS = frozenset(f.name for f in dataclasses.fields(TinyGPT)) - {"config_overrides"}
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
+def build_tiny_gpt(layout: Layout, **kwargs: Any) -> tuple[list, Any]:
+    """Build this rank's tiny GPT chunks, wrapped in Megatron DDP, plus their config.
 
-
-def _canonical_params(chunk: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter, dict]]:
-    """(canonical name, param, shard info) for every parameter of one model chunk.
-
-    Shard info: `dim` (partition dim or None), `rank`/`size` of the TP (or expert-TP) shard.
+    Call `init_layout(layout)` first. ``kwargs`` are :class:`TinyGPT` fields; any other keyword
+    is a TransformerConfig field (``config_overrides``).
     """
-    from megatron.core import parallel_state
-
-    model = _unwrap(chunk)
-    layer_numbers = {}
-    decoder = getattr(model, "decoder", None)
-    for local, layer in enumerate(getattr(decoder, "layers", [])):
-        layer_numbers[str(local)] = layer.layer_number - 1
-    num_local_experts = None
-    if getattr(model.config, "num_moe_experts", None):
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
-        num_local_experts = model.config.num_moe_experts // ep_size
-        ep_rank = parallel_state.get_expert_model_parallel_rank()
-
-    for name, param in model.named_parameters():
-        name = _LAYER_RE.sub(lambda m: f"{m[1]}decoder.layers.{layer_numbers[m[2]]}.", name)
-        expert = _EXPERT_RE.search(name)
-        if expert:
-            global_idx = ep_rank * num_local_experts + int(expert[2])
-            name = f"{name[: expert.start(2)]}{global_idx}{name[expert.end(2) :]}"
-        if name == "output_layer.weight" and getattr(
-            model, "share_embeddings_and_output_weights", False
-        ):
-            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
-        info: dict[str, Any] = {"dim": None, "rank": 0, "size": 1}
-        if getattr(param, "tensor_model_parallel", False):
-            if expert or not getattr(param, "allreduce", True):
-                rank = parallel_state.get_expert_tensor_parallel_rank()
-                size = parallel_state.get_expert_tensor_parallel_world_size()
-            else:
-                rank = parallel_state.get_tensor_model_parallel_rank()
-                size = parallel_state.get_tensor_model_parallel_world_size()
-            info = {"dim": param.partition_dim, "rank": rank, "size": size}
-        yield name, param, info
-
-
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _full_value(seed: int, name: str, shape: list[int]) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(_name_seed(seed, name))
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    parts = name.split(".")
-    if len(parts) > 1 and "norm" in parts[-2] and parts[-1] == "weight":  # norm gains near 1
-        return 1.0 + 0.1 * noise
-    return 0.02 * noise
-
-
-@torch.no_grad()
-def set_deterministic_params(model_chunks: list, seed: int) -> None:
-    """Set every parameter from (seed, canonical name, full shape), then keep this rank's shard.
-
-    Every layout then holds the same global weights as a 1-rank model. Call it before building an
-    optimizer (which may copy the parameters into its own main params).
-    """
-    for chunk in model_chunks:
-        for name, param, info in _canonical_params(chunk):
-            shape = list(param.shape)
-            dim = info["dim"]
-            if dim is not None:
-                shape[dim] *= info["size"]
-            full = _full_value(seed, name, shape)
-            if dim is not None:
-                full = full.chunk(info["size"], dim=dim)[info["rank"]]
-            param.copy_(full)
+    overrides = {k: v for k, v in kwargs.items() if k not in _TINY_GPT_FIELDS}
+    fields = {k: v for k, v in kwargs.items() if k in _TINY_GPT_FIELDS}
+    return TinyGPT(**fields, config_overrides=overrides).build(layout)
 
 
 # -- gradient gathering ---------------------------------------------------------------------------
@@ -399,7 +208,7 @@ def gather_full_grads(model_chunks: list, rtol: float = 1e-5) -> dict[str, torch
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and ddp_config.use_distributed_optimizer:
             _unshard_distributed_optimizer_grads(chunk)
-        for name, param, info in _canonical_params(chunk):
+        for name, param, info in canonical_params(chunk):
             grad = getattr(param, "main_grad", None)
             if grad is None:
                 grad = param.grad
@@ -415,7 +224,7 @@ def gather_full_params(model_chunks: list, rtol: float = 1e-6) -> dict[str, torc
     local = [
         (name, info, param.detach().clone())
         for chunk in model_chunks
-        for name, param, info in _canonical_params(chunk)
+        for name, param, info in canonical_params(chunk)
     ]
     return _gather_on_rank0(local, rtol)
 
