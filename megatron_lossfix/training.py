@@ -10,8 +10,9 @@ way; this module is that way, written once:
 * :func:`gpt_model_provider`: a Megatron-LM style ``model_provider(pre_process, post_process,
   vp_stage=None)``; :func:`build_model` calls it per virtual pipeline stage and wraps the chunks
   in Megatron DDP;
-* :func:`set_deterministic_params`: the same global weights under every layout, seeded by
-  parameter name, so that runs of different layouts can be compared step by step;
+* :func:`set_deterministic_params` (from :mod:`megatron_lossfix.seeded_params`): the same
+  global weights under every layout, seeded by parameter name, so that runs of different
+  layouts can be compared step by step;
 * :func:`train_step`: zero the gradients, run a ``forward_backward_func`` (the plugin's
   schedule or Megatron's), step the optimizer.
 
@@ -22,29 +23,26 @@ Nothing here is specific to tests. Process groups come from Megatron's parallel 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_lossfix.cpu_compat import is_cpu_mode
+from megatron_lossfix.seeded_params import set_deterministic_params
 
 __all__ = [
     "Layout",
     "StepResult",
     "build_model",
-    "canonical_params",
     "gpt_layer_spec",
     "gpt_model_provider",
     "init_layout",
     "set_deterministic_params",
     "train_step",
     "transformer_config",
-    "unwrap",
 ]
 
 
@@ -303,102 +301,6 @@ def build_model(
         config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
         config.grad_sync_func = grad_sync[0] if len(chunks) == 1 else grad_sync
     return chunks
-
-
-# -- layout-independent weights -------------------------------------------------------------------
-
-_LAYER_RE = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"(\.experts\.local_experts\.)(\d+)\.")
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The bare model inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
-def canonical_params(chunk: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter, dict]]:
-    """(canonical name, param, shard info) for every parameter of one model chunk.
-
-    Canonical names are layout-independent: wrapper prefixes are stripped, layer indices are
-    global (``decoder.layers.{i}`` with i = layer_number - 1 across pipeline stages and virtual
-    chunks), expert indices are global (``local_experts.{j}`` over all EP ranks), and a tied
-    output layer on the last pipeline stage is named after the word embedding it mirrors.
-    Shard info: ``dim`` (partition dim or None), ``rank``/``size`` of the TP (or expert-TP)
-    shard; a full tensor is the concatenation of the shards along ``dim``.
-    """
-    from megatron.core import parallel_state
-
-    model = unwrap(chunk)
-    layer_numbers = {}
-    decoder = getattr(model, "decoder", None)
-    for local, layer in enumerate(getattr(decoder, "layers", [])):
-        layer_numbers[str(local)] = layer.layer_number - 1
-    num_local_experts = None
-    if getattr(model.config, "num_moe_experts", None):
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
-        num_local_experts = model.config.num_moe_experts // ep_size
-        ep_rank = parallel_state.get_expert_model_parallel_rank()
-
-    for name, param in model.named_parameters():
-        name = _LAYER_RE.sub(lambda m: f"{m[1]}decoder.layers.{layer_numbers[m[2]]}.", name)
-        expert = _EXPERT_RE.search(name)
-        if expert:
-            global_idx = ep_rank * num_local_experts + int(expert[2])
-            name = f"{name[: expert.start(2)]}{global_idx}{name[expert.end(2) :]}"
-        if name == "output_layer.weight" and getattr(
-            model, "share_embeddings_and_output_weights", False
-        ):
-            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
-        yield name, param, _shard_info(param, bool(expert))
-
-
-def _shard_info(param: torch.nn.Parameter, expert: bool) -> dict[str, Any]:
-    from megatron.core import parallel_state
-
-    if not getattr(param, "tensor_model_parallel", False):
-        return {"dim": None, "rank": 0, "size": 1}
-    if expert or not getattr(param, "allreduce", True):
-        rank = parallel_state.get_expert_tensor_parallel_rank()
-        size = parallel_state.get_expert_tensor_parallel_world_size()
-    else:
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        size = parallel_state.get_tensor_model_parallel_world_size()
-    return {"dim": param.partition_dim, "rank": rank, "size": size}
-
-
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _full_value(seed: int, name: str, shape: list[int]) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(_name_seed(seed, name))
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    parts = name.split(".")
-    if len(parts) > 1 and "norm" in parts[-2] and parts[-1] == "weight":  # norm gains near 1
-        return 1.0 + 0.1 * noise
-    return 0.02 * noise
-
-
-@torch.no_grad()
-def set_deterministic_params(model_chunks: list, seed: int) -> None:
-    """Set every parameter from (seed, canonical name, full shape), then keep this rank's shard.
-
-    Every layout then holds the same global weights as a 1-rank model. Call it before building an
-    optimizer (which may copy the parameters into its own main params).
-    """
-    for chunk in model_chunks:
-        for name, param, info in canonical_params(chunk):
-            shape = list(param.shape)
-            dim = info["dim"]
-            if dim is not None:
-                shape[dim] *= info["size"]
-            full = _full_value(seed, name, shape)
-            if dim is not None:
-                full = full.chunk(info["size"], dim=dim)[info["rank"]]
-            param.copy_(full)
 
 
 # -- one step -------------------------------------------------------------------------------------

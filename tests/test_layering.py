@@ -61,6 +61,7 @@ LAYERS: dict[str, int] = {
     "bridge": INTEGRATION,
     "patches": INTEGRATION,
     "training": INTEGRATION,
+    "seeded_params": INTEGRATION,
     # the package's public names
     "": API,
     # verification harness

@@ -13,11 +13,12 @@ batch as a single micro-batch, with the loss ``sum(w * l)`` and the weights of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
+
+from megatron_lossfix.testing.oracle_case import OracleCase, make_global_batch, microbatch_plan
 
 __all__ = [
     "OracleCase",
@@ -27,95 +28,6 @@ __all__ = [
     "reference_grads",
     "relative_error",
 ]
-
-
-@dataclass(kw_only=True, slots=True)
-class OracleCase:
-    """One data set and model, shared by a layout run and its reference."""
-
-    global_batch_size: int = 24
-    """Sequences per optimizer step."""
-    seq_length: int = 16
-    """Tokens per sequence (divisible by 2 x CP for load-balanced CP sharding)."""
-    seed: int = 1234
-    """Seed of the data and of the layout-independent weights."""
-    norm_constant: float = 16.0
-    """C of ``seq_mean_token_sum_norm``."""
-    per_token: bool = False
-    """Megatron's ``calculate_per_token_loss``."""
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra :class:`~megatron_lossfix.testing.tiny_gpt.TinyGPT` fields (experts,
-    no_attention, ...) or TransformerConfig fields."""
-    schedule_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra ``LossFixConfig`` fields."""
-    microbatch_counts: Sequence[int] | None = None
-    """Per-DP-rank micro-batch counts (uneven); None: the same count on every rank."""
-    zero_sequences: Sequence[int] = ()
-    """Global indices of sequences whose loss mask is zeroed (empty micro-batches or ranks)."""
-    packed: bool = False
-    """Feed each micro-batch as one packed ``[1, b*s]`` row with ``cu_seqlens`` (THD);
-    needs ``no_attention`` so that packing mixes nothing across sequences."""
-    optimizer: str | None = None
-    """Also take one Megatron optimizer step ("adam") and return each weight's update."""
-    clip_grad: float = 0.0
-    """Gradient clipping norm of that step (0: none)."""
-    lr: float = 0.1
-    """Learning rate of that step."""
-    objective: str = "sft"
-    """``sft`` (per-token cross entropy) or the full RL objective with ``ppo`` or ``gspo``
-    policy loss plus a k3 KL penalty and an entropy bonus."""
-    rl_kwargs: dict[str, Any] = field(
-        default_factory=lambda: {"kl_coef": 0.1, "entropy_coef": 0.01, "dual_clip_c": 1.5}
-    )
-    """Extra ``rl_objective`` arguments of the RL objectives."""
-    adam_eps: float = 1e-8
-    """Adam's epsilon; a huge one makes the first Adam step linear in the (clipped) gradient,
-    like SGD, which Megatron's optimizer factory refuses."""
-
-
-def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Deterministic global batch of variable-length sequences: a prompt (no loss), a response
-    (loss) and padding; some sequences hold no loss token at all."""
-    gen = torch.Generator().manual_seed(case.seed)
-    b, s = case.global_batch_size, case.seq_length
-    tokens = torch.randint(0, vocab_size, (b, s), generator=gen)
-    labels = torch.randint(0, vocab_size, (b, s), generator=gen)
-    prompt = torch.randint(0, s // 2, (b,), generator=gen)
-    response = torch.randint(0, s, (b,), generator=gen)
-    response[::7] = 0  # zero-token sequences
-    response[list(case.zero_sequences)] = 0
-    pos = torch.arange(s)
-    mask = (pos[None, :] >= prompt[:, None]) & (pos[None, :] < (prompt + response)[:, None])
-    batch = {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": mask.float(),
-        "position_ids": pos.expand(b, s).clone(),
-    }
-    if case.objective != "sft":
-        # Rollout data around the tiny model's own log-probs (about -log V), so that the PPO
-        # ratio lands on both sides of the clip range; advantages are per sequence.
-        base = -torch.log(torch.tensor(float(vocab_size)))
-        batch["old_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
-        batch["ref_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
-        batch["advantages"] = torch.randn(b, 1, generator=gen).expand(b, s).clone()
-    return batch
-
-
-def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:
-    """Micro-batch sizes of each DP rank: rank ``r`` takes the r-th contiguous slice of the
-    global batch, cut into contiguous micro-batches as even as possible."""
-    counts = list(case.microbatch_counts or [num_microbatches] * dp)
-    if len(counts) != dp:
-        raise ValueError(f"microbatch_counts has {len(counts)} entries for DP={dp}")
-    if case.global_batch_size % dp:
-        raise ValueError(f"global batch {case.global_batch_size} is not divisible by DP={dp}")
-    per_rank = case.global_batch_size // dp
-    plan = []
-    for m in counts:
-        bounds = [round(i * per_rank / m) for i in range(m + 1)]
-        plan.append([b - a for a, b in zip(bounds, bounds[1:], strict=False)])
-    return plan
 
 
 def _on_model_device(batch: dict[str, torch.Tensor], chunks: list) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ group). The model is built the way the examples build theirs (`megatron_lossfix.
 TransformerConfig and a layer spec, a model provider, Megatron DDP); this module only describes
 the tiny model (:class:`TinyGPT`) and adds what tests need beyond training:
 `gather_full_grads` (`gather_full_params`) reassembles the full, unsharded gradient (parameters)
-on global rank 0 under the layout-independent names of `training.canonical_params`.
+on global rank 0 under the layout-independent names of `seeded_params.canonical_params`.
 
 A full tensor is the concatenation of the TP shards along `partition_dim`: the QKV and gelu fc1
 layouts are Megatron's checkpoint layouts, so a 1-rank model and any sharded one agree.
@@ -20,14 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.seeded_params import canonical_params, set_deterministic_params
 from megatron_lossfix.training import (
     Layout,
     build_model,
-    canonical_params,
     gpt_layer_spec,
     gpt_model_provider,
     init_layout,
-    set_deterministic_params,
     transformer_config,
 )
 
