@@ -50,34 +50,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import add_common_args, build_model, init_distributed, positive_int
+from benchmark_step import CUDA, VARIANTS, Bench, baseline, max_over_ranks, sync
+from common import add_common_args, init_distributed, positive_int
 
-from megatron_lossfix import REDUCTIONS, LossFixConfig, LossFixSchedule, weighted_loss
 from megatron_lossfix.cpu_compat import quiet_repeated_megatron_warnings
-from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records, microbatches
-from megatron_lossfix.rl_losses import rl_loss
-from megatron_lossfix.training import Layout, init_layout, train_step
 
 WORKLOADS = ("sft", "rl")
-CUDA = torch.cuda.is_available()
-VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)
-    "stock": (None, False),
-    "stock-repeat": (None, False),  # stock again: its ratios are the noise floor
-    "stock-per-token": (None, True),
-    **{mode: (mode, False) for mode in ("off", *REDUCTIONS)},
-    "token_mean-per-token": ("token_mean", True),
-}
-RL_OBJECTIVE = {"policy_loss": "ppo", "kl_coef": 0.01}
-
-
-def baseline(name: str) -> str:
-    """The stock variant ``name`` is compared with (per-token plugin: per-token stock)."""
-    return "stock-per-token" if name == "token_mean-per-token" else "stock"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -123,128 +105,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _forward_step(plugin: bool, workload: str, data_iterator, model) -> tuple:
-    batch = next(data_iterator)
-    if not plugin:  # stock weighs by the loss mask, as the plugin's `off` hands it over
-        batch = {**batch, "loss_weights": batch["loss_mask"]}
-    if workload == "sft":
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss_func = partial(weighted_loss if plugin else _megatron_lm_loss, batch["loss_weights"])
-    else:  # without labels GPTModel returns the logits
-        output = model(batch["tokens"], batch["position_ids"], None)
-        loss_func = partial(rl_loss, batch, objective=RL_OBJECTIVE)
-    return output, (loss_func if plugin else partial(_lm_loss_report, loss_func))
-
-
-def _megatron_lm_loss(mask: torch.Tensor, output: torch.Tensor, **_) -> tuple:
-    """Megatron-LM's pretrain_gpt ``loss_func``: ``sum(l * mask)`` and the mask's token count."""
-    return torch.sum(output.float() * mask), mask.sum().to(torch.int), {}
-
-
-def _lm_loss_report(loss_func, output: torch.Tensor, **_) -> tuple:
-    """Megatron-LM's report: ``lm loss`` = [loss sum, tokens], all-reduced after the step."""
-    loss, num_tokens, _ = loss_func(output)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-
-
-def _sync() -> None:
-    torch.cuda.synchronize() if CUDA else None
-
-
-def _max_over_ranks(value: float) -> float:
-    value = torch.tensor([value], dtype=torch.float64, device="cuda" if CUDA else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value[0])
-
-
-class Bench:
-    """One rank's models (one per ``calculate_per_token_loss``), schedules and batches."""
-
-    def __init__(self, args: argparse.Namespace, names: list[str]) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        self.args, tokenizer = args, ByteTokenizer()
-        layout = init_layout(Layout(), seed=args.seed)
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.models = {}  # DDP fixes its gradient scaling (1/D or 1) when built: one per setting
-        for per_token in sorted({VARIANTS[n][1] for n in names}):
-            chunks, _ = build_model(args, layout, tokenizer, per_token, bf16=args.bf16)
-            config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=args.bf16)
-            self.models[per_token] = (chunks, get_megatron_optimizer(config, chunks))
-        self.schedules = {n: get_forward_backward_func() for n in names if not VARIANTS[n][0]}
-        for name in set(names) - set(self.schedules):
-            mode = VARIANTS[name][0]
-            norm = float(args.seq_length) if mode == "seq_mean_token_sum_norm" else None
-            self.schedules[name] = LossFixSchedule(
-                LossFixConfig(reduction=mode, norm_constant=norm)
-            )
-        records, self.batches = load_records(None), []
-        data = dict(global_batch_size=args.global_batch_size, seq_length=args.seq_length)
-        cut = dict(dp_rank=dp_rank, dp_size=dp, micro_batch_size=args.micro_batch_size)
-        for i in range(max(args.steps_per_round, args.memory_steps, args.warmup, 1)):
-            batch = global_batch(records, i, seed=args.seed, tokenizer=tokenizer, **data)
-            gen, (b, s) = torch.Generator().manual_seed(args.seed + i), batch["tokens"].shape
-            # Fixed rollouts near the untrained model's log-probs (about -log V): ratios near 1.
-            batch["advantages"] = torch.randn(b, generator=gen)
-            batch["old_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
-            batch["ref_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
-            device = "cuda" if CUDA else "cpu"
-            mbs = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(batch, **cut)]
-            self.batches.append(mbs)
-
-    def step(self, name: str, workload: str, index: int) -> dict[str, float]:
-        """One training step; this rank's seconds: wall time and the schedule call's."""
-        mode, per_token = VARIANTS[name]
-        (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
-        mbs, args = self.batches[index % len(self.batches)], self.args
-        _sync()
-        t0 = time.perf_counter()
-        result = train_step(
-            schedule, partial(_forward_step, mode is not None, workload), chunks, mbs, optimizer,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, timed=True,
-        )  # fmt: skip
-        reports = result.reports
-        if mode is None:  # Megatron-LM's train_step: sum [loss, tokens], all-reduce over DP
-            val = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
-            dist.all_reduce(val, group=self.dp_group)
-            float(val[0] / val[1].clamp(min=1))  # the logged loss: a host sync, as there
-        else:
-            schedule.step_metrics()
-        _sync()
-        wall = time.perf_counter() - t0
-        return {"step_s": wall, "fb_s": result.forward_backward_s}
-
-    def tensor_peak(self, name: str, workload: str) -> float:
-        """Peak bytes of live tensors allocated during one step, above those before it (max over
-        ranks): activations, gradients in flight, the plugin's weights. Model, gradient buffers
-        and Adam state exist before the step and are the same for every variant."""
-        self.step(name, workload, 0)  # same state before the measured step for every variant
-        if CUDA:
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            self.step(name, workload, 0)
-            return _max_over_ranks(torch.cuda.max_memory_allocated() - base)
-        from torch._C._profiler import _EventType
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            self.step(name, workload, 0)
-        allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            event = stack.pop()
-            stack.extend(event.children)
-            if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                allocs.append((event.start_time_ns, event.extra_fields))
-        # The allocator's running total carries over from earlier profiles: the peak is taken
-        # above its value just before this step's first allocation record.
-        allocs = [fields for _, fields in sorted(allocs, key=lambda item: item[0])]
-        first = allocs[0].total_allocated - allocs[0].alloc_size if allocs else 0
-        return _max_over_ranks(max([a.total_allocated for a in allocs], default=first) - first)
-
-
 def _time_phase(args: argparse.Namespace) -> dict:
     bench, rounds, names = Bench(args, args.variant_list), {}, args.variant_list
     for workload in args.workload_list:
@@ -269,10 +129,10 @@ def _memory_phase(args: argparse.Namespace) -> dict:
     for workload in args.workload_list:
         for i in range(1 + args.memory_steps):
             bench.step(args.variant, workload, i)
-    _sync()
+    sync()
     # ru_maxrss (KiB on Linux) only ever rises: hence a fresh process per variant.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak": _max_over_ranks(torch.cuda.max_memory_allocated() if CUDA else rss)}
+    return {"peak": max_over_ranks(torch.cuda.max_memory_allocated() if CUDA else rss)}
 
 
 def _ratio(rounds: list[dict], name: str, base: str, key: str = "step_s") -> str:

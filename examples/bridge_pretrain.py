@@ -161,8 +161,6 @@ def _dataset_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------------- config
 def build_config(args: argparse.Namespace) -> Any:
     """Bridge's ConfigContainer for a tiny fp32 GPT (dropout 0, constant learning rate)."""
-    from megatron.bridge.models import GPTModelProvider
-    from megatron.bridge.models.gpt_provider import local_layer_spec
     from megatron.bridge.training.config import (
         CheckpointConfig,
         ConfigContainer,
@@ -177,39 +175,8 @@ def build_config(args: argparse.Namespace) -> Any:
         ValidationConfig,
     )
 
-    tokenizer = ByteTokenizer()
-    model = GPTModelProvider(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=4 * args.hidden_size,
-        seq_length=args.seq_length,
-        vocab_size=tokenizer.padded_vocab_size(8),
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        # Transformer Engine's spec is Bridge's default; the local one runs anywhere.
-        transformer_layer_spec=local_layer_spec,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        bf16=False,
-        fp16=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
-        use_cpu_initialization=True,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-    )
-    # The same global weights under every layout (Bridge seeds each pipeline stage differently).
-    model.register_pre_wrap_hook(_deterministic_weights(args.seed))
     return ConfigContainer(
-        model=model,
+        model=_model_provider(args),
         train=TrainingConfig(
             train_iters=args.train_iters,
             micro_batch_size=args.micro_batch_size,
@@ -237,13 +204,54 @@ def build_config(args: argparse.Namespace) -> Any:
         ),
         dataset=_dataset_config(args),
         logger=LoggerConfig(log_interval=1),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=tokenizer.vocab_size),
+        tokenizer=TokenizerConfig(
+            tokenizer_type="NullTokenizer", vocab_size=ByteTokenizer().vocab_size
+        ),
         checkpoint=CheckpointConfig(save=None),  # a demonstration: nothing to keep
         dist=DistributedInitConfig(
             distributed_backend="nccl" if torch.cuda.is_available() else "gloo"
         ),
         rng=RNGConfig(seed=args.seed),
     )
+
+
+def _model_provider(args: argparse.Namespace) -> Any:
+    """Bridge's GPTModelProvider: local layers, fp32, no dropout and no fused kernels, so the
+    run is the same on CPU and GPU."""
+    from megatron.bridge.models import GPTModelProvider
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    model = GPTModelProvider(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=4 * args.hidden_size,
+        seq_length=args.seq_length,
+        vocab_size=ByteTokenizer().padded_vocab_size(8),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        # Transformer Engine's spec is Bridge's default; the local one runs anywhere.
+        transformer_layer_spec=local_layer_spec,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        use_cpu_initialization=True,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+    # The same global weights under every layout (Bridge seeds each pipeline stage differently).
+    model.register_pre_wrap_hook(_deterministic_weights(args.seed))
+    return model
 
 
 def _deterministic_weights(seed: int) -> Any:

@@ -173,6 +173,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
 
     Script-specific defaults go through ``parser.set_defaults``.
     """
+    return {
+        "model": _add_model_args(parser),
+        "parallelism": _add_parallelism_args(parser),
+        "training": _add_training_args(parser),
+        "output": _add_output_args(parser),
+    }
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=positive_int, default=4, help="transformer layers")
     model.add_argument("--hidden-size", type=positive_int, default=64, help="hidden size")
@@ -222,6 +231,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
         help="replace self-attention by identity (layers mix nothing across tokens): only for "
         "testing context parallelism on CPU where Transformer Engine is absent",
     )
+    return model
+
+
+def _add_parallelism_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="TP size")
     par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="PP size")
@@ -233,6 +246,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
     )
     par.add_argument("--context-parallel-size", type=positive_int, default=1, help="CP size")
     par.add_argument("--expert-model-parallel-size", type=positive_int, default=1, help="EP size")
+    return par
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     train = parser.add_argument_group("training")
     train.add_argument(
         "--micro-batch-size", type=positive_int, default=4, help="sequences per micro-batch"
@@ -246,6 +263,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
         "--clip-grad", type=_non_negative_float, default=1.0, help="gradient clipping norm"
     )
     train.add_argument("--seed", type=int, default=1234, help="seed of data order and weights")
+    return train
+
+
+def _add_output_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     output = parser.add_argument_group("data and output")
     output.add_argument(
         "--metrics-out",
@@ -255,7 +276,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> dict[str, Any]:
     output.add_argument(
         "--log-interval", type=positive_int, default=1, help="iterations between logs"
     )
-    return {"model": model, "parallelism": par, "training": train, "output": output}
+    return output
 
 
 def add_lossfix_flags(parser: argparse.ArgumentParser) -> None:
@@ -276,11 +297,22 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
     against the data-parallel size, model shapes, context parallelism without an attention
     that supports it, the plugin's flags. Creates the folder of ``--metrics-out``.
 
-    Raises :class:`UsageError` (or the plugin's ``ValueError``) saying what to change.
+    Raises :class:`UsageError` (or the plugin's ``ValueError``) saying what to change. The
+    checks run in this order, so the first refusal a user sees stays the same.
     """
     world = world_size or _world_size()
+    _check_layout(args, world)
+    _check_shapes(args)
+    _check_experts(args, world)
+    _check_attention(args)
+    from_args(args)  # the plugin's own refusals (ValueError), e.g. --loss-norm-constant 0
+    _prepare_metrics_out(args)
+
+
+def _check_layout(args: argparse.Namespace, world: int) -> None:
+    """The parallel layout against the ranks, the batch sizes against data parallelism."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp, ep = args.context_parallel_size, args.expert_model_parallel_size
+    cp = args.context_parallel_size
     model_parallel = tp * pp * cp
     if world % model_parallel:
         raise UsageError(
@@ -309,6 +341,11 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
             f"--pipeline-model-parallel-size > 1 and must divide the {args.num_layers // pp} "
             f"layers of each pipeline stage"
         )
+
+
+def _check_shapes(args: argparse.Namespace) -> None:
+    """Model shapes that tensor parallelism and multi-token prediction must split."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.hidden_size % args.num_attention_heads:
         raise UsageError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -327,6 +364,12 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
             "--position-embedding-type rope: the MTP layers on the last stage use a copy of the "
             "position embedding whose gradient Megatron does not sum over the stages"
         )
+
+
+def _check_experts(args: argparse.Namespace, world: int) -> None:
+    """Expert parallelism against the experts and the ranks."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
     if ep > 1 and args.num_experts is None:
         raise UsageError(f"--expert-model-parallel-size {ep} needs --num-experts")
     if args.num_experts is not None and args.num_experts % ep:
@@ -339,6 +382,11 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
             f"{world} rank(s) cannot hold --tensor-model-parallel-size {tp} x "
             f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"
         )
+
+
+def _check_attention(args: argparse.Namespace) -> None:
+    """The attention implementation, and context parallelism's needs of it."""
+    cp = args.context_parallel_size
     if args.transformer_impl == "transformer_engine" and not (
         torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")
     ):
@@ -358,7 +406,10 @@ def check_launch(args: argparse.Namespace, world_size: int | None = None) -> Non
                 f"--seq-length {args.seq_length} must be a multiple of 2 x "
                 f"--context-parallel-size = {2 * cp} (each rank takes two chunks)"
             )
-    from_args(args)  # the plugin's own refusals (ValueError), e.g. --loss-norm-constant 0
+
+
+def _prepare_metrics_out(args: argparse.Namespace) -> None:
+    """Refuse a folder as ``--metrics-out``; create the folder the file goes in."""
     if args.metrics_out:
         if os.path.isdir(args.metrics_out):
             raise UsageError(f"--metrics-out {args.metrics_out} is a folder; give a file name")

@@ -94,6 +94,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ExampleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_common_args(parser)
     rl = parser.add_argument_group("reinforcement learning")
+    _add_objective_args(rl)
+    _add_sampling_args(rl)
+    add_lossfix_flags(parser)
+    # Sampling re-runs the whole prefix once per new token: a small model and short sequences.
+    parser.set_defaults(
+        num_layers=2,
+        seq_length=32,
+        global_batch_size=None,
+        micro_batch_size=16,
+        train_iters=150,
+        lr=2e-3,
+    )
+    args = parser.parse_args(argv)
+    _resolve_batch(parser, args)
+    return args
+
+
+def _add_objective_args(rl: argparse._ArgumentGroup) -> None:
+    """Where the rollouts come from and the policy-gradient objective scored on them."""
     rl.add_argument(
         "--rollouts",
         default=None,
@@ -129,6 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="per-token KL estimator (Schulman): k1 = log ratio, k2 = half its square, k3 unbiased",
     )
     rl.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+
+
+def _add_sampling_args(rl: argparse._ArgumentGroup) -> None:
+    """How responses are sampled when no --rollouts are replayed, and their advantages."""
     rl.add_argument(
         "--num-generations", type=positive_int, default=16, help="G: sampled responses per prompt"
     )
@@ -154,19 +177,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Dr. GRPO: advantages are reward minus group mean, not divided by the group std "
         "(pair with --loss-reduction seq_mean_token_sum_norm for the full recipe)",
     )
-    add_lossfix_flags(parser)
-    # Sampling re-runs the whole prefix once per new token: a small model and short sequences.
-    parser.set_defaults(
-        num_layers=2,
-        seq_length=32,
-        global_batch_size=None,
-        micro_batch_size=16,
-        train_iters=150,
-        lr=2e-3,
-    )
-    args = parser.parse_args(argv)
-    _resolve_batch(parser, args)
-    return args
 
 
 def _resolve_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
