@@ -122,6 +122,35 @@ def rl_objective(
         ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``num_tokens`` (over loss tokens, unweighted).
     """
     obj = RLObjective() if objective is None else objective
+    _check_inputs(obj, logprobs, old_logprobs, weights, loss_mask, ref_logprobs, entropy)
+    mask = loss_mask.bool()
+    # Padding may carry any old/ref log-prob (0, -inf, NaN); replacing it by the current log-prob
+    # makes the ratio 1 and the KL 0 there, so 0-weight tokens cannot inject NaN via 0 * inf.
+    logp_const = logprobs.detach()
+    old = torch.where(mask, old_logprobs, logp_const)
+    clip = {"eps_low": obj.eps_low, "eps_high": obj.eps_high}
+    if obj.policy_loss == "ppo":
+        pg, ind = ppo_token_loss(logprobs, old, advantages, dual_clip_c=obj.dual_clip_c, **clip)
+    else:
+        pg, ind = gspo_token_loss(logprobs, old, advantages, mask, cp_group=cp_group, **clip)
+    w = at_least_fp32(weights).detach()
+    if ref_logprobs is not None:
+        ref_logprobs = torch.where(mask, ref_logprobs, logp_const)
+    total, kl_sum, entropy_sum = _regularized(pg, w, mask, obj, logprobs, ref_logprobs, entropy)
+    stats = _rl_stats(pg, w, mask, ind)
+    stats.update(kl_sum=kl_sum.detach().float(), entropy_sum=entropy_sum.detach().float())
+    return (w * total).sum(), stats
+
+
+def _check_inputs(
+    obj: RLObjective,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    weights: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> None:
     check_same_shape(
         logprobs=logprobs, old_logprobs=old_logprobs, weights=weights, loss_mask=loss_mask
     )
@@ -129,38 +158,10 @@ def rl_objective(
         raise ValueError("kl_coef != 0 needs ref_logprobs")
     if obj.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
-    mask = loss_mask.bool()
-    # Padding may carry any old/ref log-prob (0, -inf, NaN); replacing it by the current log-prob
-    # makes the ratio 1 and the KL 0 there, so 0-weight tokens cannot inject NaN via 0 * inf.
-    logp_const = logprobs.detach()
-    old = torch.where(mask, old_logprobs, logp_const)
-    if obj.policy_loss == "ppo":
-        pg, ind = ppo_token_loss(
-            logprobs,
-            old,
-            advantages,
-            eps_low=obj.eps_low,
-            eps_high=obj.eps_high,
-            dual_clip_c=obj.dual_clip_c,
-        )
-    else:
-        pg, ind = gspo_token_loss(
-            logprobs,
-            old,
-            advantages,
-            mask,
-            eps_low=obj.eps_low,
-            eps_high=obj.eps_high,
-            cp_group=cp_group,
-        )
-    w = at_least_fp32(weights).detach()
     if ref_logprobs is not None:
         check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
-        ref_logprobs = torch.where(mask, ref_logprobs, logp_const)
-    total, kl_sum, entropy_sum = _regularized(pg, w, mask, obj, logprobs, ref_logprobs, entropy)
-    stats = _rl_stats(pg, w, mask, ind)
-    stats.update(kl_sum=kl_sum.detach().float(), entropy_sum=entropy_sum.detach().float())
-    return (w * total).sum(), stats
+    if entropy is not None:
+        check_same_shape(logprobs=logprobs, entropy=entropy)
 
 
 def _regularized(
@@ -182,7 +183,6 @@ def _regularized(
         total = total + obj.kl_coef * kl
         kl_sum = (w * kl.detach()).sum()
     if entropy is not None:
-        check_same_shape(logprobs=logprobs, entropy=entropy)
         ent = torch.where(mask, at_least_fp32(entropy), torch.zeros_like(pg))
         total = total - obj.entropy_coef * ent
         entropy_sum = (w * ent.detach()).sum()
