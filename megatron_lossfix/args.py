@@ -14,6 +14,7 @@ or, in a loop of your own, where ``get_forward_backward_func()`` was called::
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,18 @@ from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import with_self_check
 
-__all__ = ["add_lossfix_args", "from_args", "schedule_from_args"]
+__all__ = ["add_lossfix_args", "from_args", "positive_float", "schedule_from_args"]
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 #: The flags, in the order ``--help`` lists them: (flag, ``add_argument`` keywords).
@@ -77,7 +89,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--lossfix-self-check-tolerance",
         dict(
-            type=float,
+            type=positive_float,
             default=1e-5,
             help="largest relative L2 gradient change --lossfix-self-check accepts (default "
             "1e-5 for fp32; use about 1e-2 with bf16/fp16 compute).",
@@ -119,7 +131,9 @@ def add_lossfix_args(
 def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     """The plugin config from parsed flags; ``None`` when ``--loss-reduction`` was not given.
 
-    Raises ``ValueError`` for combinations that would be silently ignored or wrong.
+    Raises ``ValueError`` for combinations that would be silently ignored or wrong: the
+    messages of :class:`LossFixConfig`, which validates the flags as it validates Python
+    arguments.
     """
     reduction = getattr(args, "loss_reduction", None)
     norm_constant = getattr(args, "loss_norm_constant", None)
@@ -127,11 +141,7 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
         if norm_constant is not None:
             raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
         return None
-    if norm_constant is not None and reduction != "seq_mean_token_sum_norm":
-        raise ValueError(
-            f"--loss-norm-constant applies only to --loss-reduction seq_mean_token_sum_norm, "
-            f"not {reduction}; drop it or change the reduction"
-        )
+    # Every other check is LossFixConfig's own: the flags and the Python API refuse alike.
     return LossFixConfig(
         reduction=reduction,
         norm_constant=norm_constant,

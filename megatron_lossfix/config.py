@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lossfix.reduction import REDUCTIONS, check_reduction
+from megatron_lossfix.reduction import (
+    REDUCTIONS,
+    check_norm_constant,
+    check_reduction,
+    norm_constant_misplaced,
+)
 
 __all__ = ["MODES", "LossFixConfig"]
 
 #: Every accepted ``--loss-reduction``: the plugin's modes, and ``off`` (stock Megatron).
 MODES: tuple[str, ...] = (*REDUCTIONS, "off")
+
+#: The boolean fields, each with the flag that sets it (for the error message).
+_SWITCHES: tuple[tuple[str, str], ...] = (
+    ("validate", "--lossfix-no-validate"),
+    ("check_finite", "--lossfix-check-finite"),
+    ("data_is_cp_sharded", "no flag"),
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -51,12 +63,27 @@ class LossFixConfig:
     NaN or Inf (device syncs per micro-batch: for debugging runs, off by default)."""
 
     def __post_init__(self) -> None:
-        if self.reduction not in MODES:
-            raise ValueError(f"unknown loss reduction {self.reduction!r}; choose one of {MODES}")
-        if self.reduction != "off":
+        # The one validation of the settings: the flags (``args.from_args``) come through here
+        # too, so Python and the command line refuse the same values with the same messages.
+        if not isinstance(self.reduction, str) or self.reduction not in MODES:
+            raise ValueError(
+                f"unknown loss reduction {self.reduction!r} (--loss-reduction); choose one of "
+                f"{MODES}"
+            )
+        if self.reduction == "off":
+            check_norm_constant(self.norm_constant)
+            if self.norm_constant is not None:
+                raise ValueError(norm_constant_misplaced(self.reduction))
+        else:
             check_reduction(self.reduction, self.norm_constant)
-        elif self.norm_constant is not None and not float(self.norm_constant) > 0:
-            raise ValueError(f"norm_constant must be > 0, got {self.norm_constant!r}")
+        for name, flag in _SWITCHES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} ({flag}) must be True or False, got {value!r}")
+        for name in ("loss_mask_key", "weights_key", "cu_seqlens_key"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string (a batch key), got {value!r}")
         if self.loss_mask_key == self.weights_key:
             raise ValueError("loss_mask_key and weights_key must differ")
 

@@ -16,6 +16,8 @@ world group. Counts stay on the device: no host synchronization except the optio
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,10 +30,12 @@ __all__ = [
     "StepCounts",
     "bad_mask_message",
     "bad_mask_values",
+    "check_norm_constant",
     "check_reduction",
     "count_tokens",
     "float_masks",
     "loss_weights",
+    "norm_constant_misplaced",
     "segment_ids",
     "shifted_masks",
     "weights_from_counts",
@@ -78,18 +82,42 @@ class StepCounts:
         return len(self.seq_tokens)
 
 
+def check_norm_constant(norm_constant: object) -> None:
+    """Raise ``ValueError`` unless ``norm_constant`` is None or a finite real number > 0."""
+    if norm_constant is None:
+        return
+    if isinstance(norm_constant, bool) or not isinstance(norm_constant, numbers.Real):
+        raise ValueError(
+            f"norm_constant (--loss-norm-constant) must be a number, got {norm_constant!r}"
+        )
+    if not (math.isfinite(norm_constant) and norm_constant > 0):  # also rejects NaN
+        raise ValueError(
+            f"norm_constant (--loss-norm-constant) must be > 0 and finite, got {norm_constant!r}"
+        )
+
+
 def check_reduction(reduction: str, norm_constant: float | None) -> None:
-    """Raise ``ValueError`` for an unknown mode or a bad ``norm_constant``."""
-    if reduction not in REDUCTIONS:
+    """Raise ``ValueError`` for an unknown mode, a bad ``norm_constant``, or a constant given to
+    a mode that does not use it (it would be silently ignored)."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+    check_norm_constant(norm_constant)
     if reduction == "seq_mean_token_sum_norm":
         if norm_constant is None:
             raise ValueError(
                 "reduction 'seq_mean_token_sum_norm' needs norm_constant (e.g. the maximum "
                 "response length); pass --loss-norm-constant"
             )
-        if not (float(norm_constant) > 0.0):  # also rejects NaN
-            raise ValueError(f"norm_constant must be > 0, got {norm_constant!r}")
+    elif norm_constant is not None:
+        raise ValueError(norm_constant_misplaced(reduction))
+
+
+def norm_constant_misplaced(reduction: object) -> str:
+    """The message for a ``norm_constant`` given with a mode that does not use it."""
+    return (
+        "norm_constant (--loss-norm-constant) applies only to reduction "
+        f"seq_mean_token_sum_norm, not {reduction}; drop it or change the reduction"
+    )
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

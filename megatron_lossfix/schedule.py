@@ -97,7 +97,8 @@ class LossFixSchedule:
     ``calculate_per_token_loss=False`` the 2-tuple ``(sum(weights * loss), report)`` works too.
 
     Args:
-        config: the plugin configuration.
+        config: the plugin configuration, or a mode name (``"token_mean"``) for that mode's
+            default settings; anything else is refused here, before the first step.
         forward_backward_func: Megatron's schedule to wrap; by default
             Megatron's schedule for the call's pipeline group and model chunks (PP/VPP).
         pg_collection: process groups, used when the call passes none; else parallel_state.
@@ -106,10 +107,23 @@ class LossFixSchedule:
 
     def __init__(
         self,
-        config: LossFixConfig,
+        config: LossFixConfig | str,
         forward_backward_func: Callable[..., Any] | None = None,
         pg_collection: Any = None,
     ) -> None:
+        if isinstance(config, str):
+            config = LossFixConfig(reduction=config)  # a mode name: its default settings
+        elif not isinstance(config, LossFixConfig):
+            raise TypeError(
+                "LossFixSchedule takes a LossFixConfig or a mode name such as 'token_mean', "
+                f"got {type(config).__name__} {config!r:.60}; build one with "
+                "LossFixConfig(reduction=...) (from flags: schedule_from_args(args))"
+            )
+        if forward_backward_func is not None and not callable(forward_backward_func):
+            raise TypeError(
+                "forward_backward_func must be Megatron's schedule function (callable) or None, "
+                f"got {type(forward_backward_func).__name__}"
+            )
         warn_if_untested()
         self.config = config
         self._inner = forward_backward_func

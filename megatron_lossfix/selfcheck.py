@@ -35,6 +35,8 @@ Wire it from flags with :func:`with_self_check` (``--lossfix-self-check``).
 from __future__ import annotations
 
 import argparse
+import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -157,10 +159,17 @@ class SelfCheckingSchedule:
         model_parallel_group: dist.ProcessGroup | None = None,
         expert_model_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
-        if iterations < 0:
-            raise ValueError(f"iterations must be >= 0, got {iterations!r}")
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, numbers.Real)
+            or not (math.isfinite(tolerance) and tolerance > 0)
+        ):
+            raise ValueError(
+                "tolerance (--lossfix-self-check-tolerance) must be a finite number > 0, got "
+                f"{tolerance!r}"
+            )
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+            raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
         self.schedule = schedule
         self.tolerance = float(tolerance)
         self.iterations = int(iterations)
@@ -404,5 +413,5 @@ def with_self_check(schedule: Callable[..., Any], args: argparse.Namespace) -> C
     if getattr(args, "loss_reduction", None) is None:
         raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
     return SelfCheckingSchedule(
-        schedule, tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5) or 1e-5
+        schedule, tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5)
     )

@@ -17,7 +17,13 @@ FROZEN = {
     "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
     "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
     "--lossfix-self-check": ("lossfix_self_check", False, None, "store_true"),
-    "--lossfix-self-check-tolerance": ("lossfix_self_check_tolerance", 1e-5, None, "float"),
+    # A finite number > 0, checked by the parser so that its error names the flag.
+    "--lossfix-self-check-tolerance": (
+        "lossfix_self_check_tolerance",
+        1e-5,
+        None,
+        "positive_float",
+    ),
 }
 
 

@@ -228,7 +228,12 @@ def _step_counts(
         if variant == "stock":
             func, forward_step = get_forward_backward_func(), _stock_forward_step
         else:
-            func = LossFixSchedule(LossFixConfig(reduction=variant, norm_constant=16.0))
+            func = LossFixSchedule(
+                LossFixConfig(
+                    reduction=variant,
+                    norm_constant=16.0 if variant == "seq_mean_token_sum_norm" else None,
+                )
+            )
             forward_step = _plugin_forward_step
         train_step(
             func,

@@ -171,7 +171,8 @@ def _check_on_rank(
         grads = gather_full_grads(chunks)
         return grads, torch.get_rng_state(), counter[0], schedule.step_metrics()["loss"]
 
-    config_ = LossFixConfig(reduction=reduction, norm_constant=16.0)
+    norm = 16.0 if reduction == "seq_mean_token_sum_norm" else None
+    config_ = LossFixConfig(reduction=reduction, norm_constant=norm)
     plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
     checker = SelfCheckingSchedule(LossFixSchedule(config_))
     try:

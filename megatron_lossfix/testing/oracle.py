@@ -181,7 +181,7 @@ def layout_grads(
         distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
         optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
         schedule = LossFixSchedule(
-            LossFixConfig(reduction=mode, norm_constant=case.norm_constant, **case.schedule_kwargs)
+            LossFixConfig(reduction=mode, norm_constant=case.norm_for(mode), **case.schedule_kwargs)
         )
         # No optimizer here: the gradients are gathered before _optimizer_step.
         train_step(
@@ -210,7 +210,7 @@ def _reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
         if target != "token_mean_legacy":
-            return loss_weights([mask], target, norm_constant=case.norm_constant)[0]
+            return loss_weights([mask], target, norm_constant=case.norm_for(target))[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
         return torch.cat(
             [

@@ -59,6 +59,11 @@ class OracleCase:
     """Adam's epsilon; a huge one makes the first Adam step linear in the (clipped) gradient,
     like SGD, which Megatron's optimizer factory refuses."""
 
+    def norm_for(self, mode: str) -> float | None:
+        """The ``norm_constant`` to pass with ``mode``: C for ``seq_mean_token_sum_norm``, None
+        for every other mode (which refuses a constant it would ignore)."""
+        return self.norm_constant if mode == "seq_mean_token_sum_norm" else None
+
 
 def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tensor]:
     """Deterministic global batch of variable-length sequences: a prompt (no loss), a response
