@@ -39,6 +39,7 @@ __all__ = [
     "default_device",
     "refuse_hybrid_cp",
     "refuse_sharded_mtp",
+    "unreduced_gradients",
     "verdict",
 ]
 
@@ -74,10 +75,11 @@ KINDS: tuple[str, ...] = (
     "ranks disagree on the loss reduction or calculate_per_token_loss",
     "the loss function failed or returned what the plugin cannot use",
     "the multi-token prediction loss could not be normalized",
+    "the model's gradients are not reduced across data-parallel ranks",
 )
 (
     NO_ITERATOR, UNREADABLE, RAN_OUT, NOT_DICT, MALFORMED, MASK_VALUES, OTHER, DISAGREE,
-    LOSS_FUNC, MTP_PROBLEM,
+    LOSS_FUNC, MTP_PROBLEM, UNREDUCED,
 ) = range(len(KINDS))  # fmt: skip
 # Agreement vector: [N, S, fingerprint, fingerprint**2, ranks with a problem, sum of their
 # (global rank + 1), one count per kind], then N and S of each MTP layer's shifted masks.
@@ -105,6 +107,41 @@ def refuse_hybrid_cp(chunk: Any) -> None:
             "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
             "per-token mode is the exact token mean)"
         )
+
+
+def unreduced_gradients(chunks: list, model_config: Any, groups: StepGroups) -> str | None:
+    """Why the gradients of this step would not be reduced across data-parallel (and
+    context-parallel) ranks, or None: the structural guard of every plugin step.
+
+    With DP x CP > 1 the plugin's weights normalize over the whole mini-batch, so each rank's
+    gradient is only its share: Megatron DDP (or FSDP) must hold the gradients in its buffers
+    and ``config.finalize_model_grads_func`` must sum them at the end of the step (Megatron-LM
+    and Megatron Bridge always set both). Without them every rank trains on its own share, the
+    loss still looks right and nothing fails. Configuration only, no collective: the verdict
+    rides in the step's agreement (kind ``UNREDUCED``)."""
+    if groups.dp_cp_size <= 1:
+        return None
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    fixes = []
+    if not all(isinstance(chunk, _BaseDataParallel) for chunk in chunks):
+        kinds = sorted({type(chunk).__name__ for chunk in chunks})
+        fixes.append(
+            f"wrap the model (here {', '.join(kinds)}) in "
+            "megatron.core.distributed.DistributedDataParallel (or FullyShardedDataParallel)"
+        )
+    if getattr(model_config, "finalize_model_grads_func", None) is None:
+        fixes.append(
+            "set config.finalize_model_grads_func = finalize_model_grads (from "
+            "megatron.core.distributed)"
+        )
+    if not fixes:
+        return None
+    return (
+        f"data-parallel x context-parallel size is {groups.dp_cp_size}, but the gradients "
+        "would not be reduced across those ranks (each would train on its own share); "
+        + " and ".join(fixes)
+    )
 
 
 def refuse_sharded_mtp(mtp_layers: int, config: LossFixConfig) -> None:

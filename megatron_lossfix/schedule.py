@@ -17,9 +17,11 @@ With a plugin mode, per step it:
    stage's data x context-parallel group carries the counts together with the cross-rank checks,
    and, with pipeline parallelism, one small all-reduce over the pipeline group hands the verdict
    to the other stages. A problem on any rank (no mask, a non-dict batch, a missing or
-   unreadable iterator, a short iterator, a bad mask, an exception while reading) makes every
-   rank of the step raise, within the time of two small collectives, instead of leaving its
-   peers blocked in Megatron's point-to-point or gradient communication;
+   unreadable iterator, a short iterator, a bad mask, an exception while reading; with
+   DP x CP > 1, a model that is not Megatron DDP/FSDP or a config without
+   ``finalize_model_grads_func``, checked once per model) makes every rank of the step raise,
+   within the time of two small collectives, instead of leaving its peers blocked in
+   Megatron's point-to-point or gradient communication;
 3. puts per-token weights into every micro-batch dict (``batch[config.weights_key]``);
 4. runs Megatron's own schedule, wrapping each ``loss_func`` so that what Megatron receives,
    after its internal averaging, yields exactly ``sum(w * loss)``:
@@ -57,10 +59,13 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_lossfix.agreement import (
+    UNREDUCED,
+    LocalProblem,
     StepRefused,
     agree,
     agree_after,
     refuse_hybrid_cp,
+    unreduced_gradients,
 )
 from megatron_lossfix.batches import MTPLayout, PreparedStep, mtp_step, prepare_step, step_weights
 from megatron_lossfix.config import LossFixConfig
@@ -129,6 +134,8 @@ class LossFixSchedule:
         self._inner = forward_backward_func
         self._pg_collection = pg_collection
         self._last_step: StepState | None = None
+        # The structural guard's verdict per model (see _structure_problem).
+        self._structure: dict[tuple, str | None] = {}
 
     @property
     def last_step(self) -> StepState | None:
@@ -216,6 +223,9 @@ class LossFixSchedule:
         groups = resolve_groups(kwargs.get("pg_collection"))
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         prepared = prepare_step(cfg, chunks[0], groups, iterators, num_microbatches)
+        unreduced = self._structure_problem(chunks, prepared, groups)
+        if unreduced is not None:
+            prepared.problem = unreduced  # the fix to name first: no step can be right without
         # The step's one record: filled by the agreement (counts) and the loss functions.
         state = StepState(
             reduction=cfg.reduction,
@@ -248,6 +258,21 @@ class LossFixSchedule:
             self._last_step = None
             raise
         return result
+
+    def _structure_problem(
+        self, chunks: list, prepared: PreparedStep, groups: StepGroups
+    ) -> LocalProblem | None:
+        """The structural guard (``agreement.unreduced_gradients``), checked once per model,
+        config and group size and then cached; the problem it finds for the agreement."""
+        key = (*map(id, chunks), id(prepared.model_config), groups.dp_cp_size)
+        if key not in self._structure:
+            try:
+                self._structure[key] = unreduced_gradients(chunks, prepared.model_config, groups)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                name = type(exc).__name__
+                self._structure[key] = f"checking the model's DP wrapping raised {name}: {exc}"
+        message = self._structure[key]
+        return None if message is None else LocalProblem(UNREDUCED, message)
 
     def _weighted(
         self,
