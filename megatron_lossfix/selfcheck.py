@@ -6,7 +6,12 @@ is cut into micro-batches. ``SelfCheckingSchedule`` wraps a schedule (normally a
 
 1. runs the step normally, recording the micro-batches that ``forward_step`` reads from every
    data iterator (every pipeline stage and model chunk);
-2. snapshots every parameter's ``main_grad`` (``.grad`` without Megatron DDP);
+2. snapshots every parameter's ``main_grad`` (``.grad`` without Megatron DDP), and compares
+   it across the data x context-parallel ranks, which must all hold the same reduced gradient
+   (two checksums per dense parameter, one all-reduce; with the distributed optimizer the
+   gathered shards agree by construction, and a missing reduction is the structural guard's
+   to refuse): a loop whose gradients were not reduced, or were rescaled on some ranks,
+   fails here, naming the parameter that differs most;
 3. runs the same data again, split differently: each micro-batch cut in two when the micro-batch
    size is even (memory-neutral), else groups of micro-batches merged (tensors concatenated along
    dim 0), else rows dealt to other micro-batches (same count and shapes: also used when
@@ -48,6 +53,7 @@ import torch.distributed as dist
 from megatron_lossfix.metrics import StepState
 from megatron_lossfix.resplit import ResplitPlan, resplit
 from megatron_lossfix.selfcheck_model import (
+    CheckGroups,
     agree_flags,
     broadcasts_batches,
     check_groups,
@@ -58,6 +64,7 @@ from megatron_lossfix.selfcheck_model import (
     params_device,
     plan_resplit,
     relative_error,
+    replica_spread,
     restore_grads,
     rng_state,
     set_rng_state,
@@ -179,6 +186,9 @@ class SelfCheckingSchedule:
         """The relative gradient change the last check measured (None: none measured)."""
         self.last_plan: ResplitPlan | None = None
         """How the last check re-split its step."""
+        self.last_replica_spread: float | None = None
+        """How far the last checked step's gradient differed across data x context-parallel
+        replicas (relative; 0 when they all hold the same reduced gradient)."""
         self._mp_group = model_parallel_group
         self._ep_group = expert_model_parallel_group
 
@@ -220,15 +230,22 @@ class SelfCheckingSchedule:
         groups = check_groups(call.get("pg_collection"), self._mp_group, self._ep_group)
         device = params_device(normal.params)
         # 2. The same data, split differently (every rank learns whether any rank can't).
+        # Across ranks: every data x context-parallel replica must hold the same reduced
+        # gradient (a loop that reduces wrongly or not at all differs here).
+        spread, worst = replica_spread(normal.params, normal.grads, groups, device)
         reads = any(rec is not None and rec.items for rec in normal.recorders)
         keep_shapes = broadcasts_batches(reads, groups, device)
         plan = plan_resplit(call, normal.chunks, groups, keep_shapes)
         items, problem = self._resplit_data(normal.recorders, call["num_microbatches"], plan)
-        failed, changed = agree_flags(
-            [float(problem is not None), float(plan is not None and problem is None)],
+        # The replicas' verdict rides in this all-reduce: every rank of the model hears it.
+        failed, changed, spread_max = agree_flags(
+            [float(problem is not None), float(plan is not None and problem is None), spread],
             groups,
             device,
         )
+        self.last_replica_spread = spread_max
+        if not spread_max <= self.tolerance:
+            raise SelfCheckError(self._replica_message(spread_max, spread, worst, normal, groups))
         if failed:
             raise ValueError(
                 "megatron_lossfix self-check: "
@@ -380,6 +397,26 @@ class SelfCheckingSchedule:
         return (
             f"as {plan.num_microbatches} micro-batches instead of {num_microbatches} "
             f"({cut} {plan.factor})"
+        )
+
+    def _replica_message(
+        self, spread_max: float, spread: float, worst: int, normal: _NormalRun, groups: Any
+    ) -> str:
+        """The failure when data-parallel replicas hold different gradients."""
+        size = CheckGroups.size(groups.data_parallel)
+        if worst >= 0 and spread == spread_max:
+            names = {id(p): n for c in normal.chunks for n, p in c.named_parameters()}
+            where = f"most in {names.get(id(normal.params[worst]), 'a parameter')!r}"
+        else:
+            where = "between the replicas of another model-parallel rank"
+        return (
+            f"megatron_lossfix self-check failed: after the first step the gradient differs "
+            f"across the {size} data x context-parallel ranks by {spread_max:.3g} (relative; "
+            f"tolerance {self.tolerance:g}), {where}; those ranks must hold the same reduced "
+            "gradient. The gradients were not reduced across data-parallel ranks, or were "
+            "rescaled on some ranks: set config.finalize_model_grads_func = "
+            "finalize_model_grads (megatron.core.distributed), keep the model in "
+            "DistributedDataParallel, and do not reduce or rescale gradients elsewhere."
         )
 
     def _message(self, error: float, num_microbatches: int, plan: ResplitPlan | None) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "module_buffers",
     "params_device",
     "relative_error",
+    "replica_spread",
     "restore_grads",
     "rng_state",
     "set_rng_state",
@@ -152,6 +153,45 @@ def relative_error(
         total += acc.cpu()
     diff, ref = total.tolist()
     return (diff**0.5) / max(ref**0.5, 1e-30) if ref > 0 else float(diff > 0)
+
+
+def replica_spread(
+    params: list[torch.nn.Parameter],
+    grads: list[torch.Tensor | None],
+    groups: CheckGroups,
+    device: torch.device,
+) -> tuple[float, int]:
+    """How far the gradient differs across the data x context-parallel replicas, which must all
+    hold the same reduced gradient; and the index (into ``params``) of the parameter where it
+    differs most (-1: none).
+
+    One all-reduce (MAX) over that group of two checksums per dense parameter, the sum and the
+    sum of squares of its gradient, each with its negation (so the maximum gives the minimum
+    too). Expert parameters are replicated over the expert data-parallel group instead and are
+    left out. The spread of a parameter is the largest of (spread of its sums) / (sqrt(numel) x
+    its L2 norm) and (spread of its squared norms) / (its squared norm): relative, 0 when every
+    replica holds the same gradient."""
+    dense = [
+        (i, grad)
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
+        if grad is not None and getattr(param, "allreduce", True)
+    ]
+    if CheckGroups.size(groups.data_parallel) <= 1 or not dense:
+        return 0.0, -1
+    sums = torch.stack(
+        [torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in dense]
+    ).to(device)
+    both = torch.cat([sums, -sums], dim=1)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.data_parallel)
+    high, low = both[:, :2], -both[:, 2:]
+    square = high[:, 1].clamp(min=1e-300)
+    numel = torch.tensor([float(g.numel()) for _, g in dense], dtype=torch.float64, device=device)
+    spread = torch.maximum(
+        (high[:, 0] - low[:, 0]) / (numel.sqrt() * square.sqrt()),
+        (high[:, 1] - low[:, 1]) / square,
+    )
+    worst = int(spread.argmax())
+    return float(spread[worst]), dense[worst][0]
 
 
 def params_device(params: list[torch.nn.Parameter]) -> torch.device:

@@ -110,6 +110,27 @@ def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model
     return output, partial(weighted_loss, batch.get("loss_weights"))
 
 
+def _break_finalize(config, how: str, dp_rank: int) -> None:
+    """Loops that reduce wrongly while DDP and a ``finalize_model_grads_func`` are in place, so
+    the structural guard passes them: ``no-reduce`` (a finalize function that forgets the
+    data-parallel reduction), ``rank-factor`` (Megatron's reduction, then a factor that depends
+    on the rank, like a per-rank normalization after the all-reduce)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    if how == "no-reduce":
+        config.finalize_model_grads_func = lambda *args, **kwargs: None
+    elif how == "rank-factor":
+
+        def finalize(model, *args, **kwargs):
+            finalize_model_grads(model, *args, **kwargs)
+            for chunk in model:
+                for param in chunk.parameters():
+                    if param.requires_grad:
+                        param.main_grad.mul_(1.0 + dp_rank)
+
+        config.finalize_model_grads_func = finalize
+
+
 def _check_on_rank(
     layout: Layout,
     m: int,
@@ -117,6 +138,7 @@ def _check_on_rank(
     reduction: str = "token_mean",
     per_token: bool = False,
     broadcast: bool = False,
+    finalize: str = "megatron",
     **model_kwargs,
 ) -> dict:
     """A plain step, then the same step under the self-check, then a second checked step;
@@ -138,6 +160,7 @@ def _check_on_rank(
         layout, seq_len=16, calculate_per_token_loss=per_token, **model_kwargs
     )
     set_deterministic_params(chunks, 1234)
+    _break_finalize(config, finalize, ps.get_data_parallel_rank())
     case = OracleCase()
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     sizes = microbatch_plan(case, dp, m)[rank]
@@ -168,22 +191,29 @@ def _check_on_rank(
             micro_batch_size=sizes[0],
             forward_only=False,
         )
-        grads = gather_full_grads(chunks)
+        # (gather_full_grads asserts that DP replicas agree: not so when reduced wrongly)
+        grads = gather_full_grads(chunks) if finalize == "megatron" else None
         return grads, torch.get_rng_state(), counter[0], schedule.step_metrics()["loss"]
 
     norm = 16.0 if reduction == "seq_mean_token_sum_norm" else None
     config_ = LossFixConfig(reduction=reduction, norm_constant=norm)
-    plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
+    if finalize == "megatron":
+        plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
     checker = SelfCheckingSchedule(LossFixSchedule(config_))
     try:
         checked, checked_rng, checked_calls, checked_loss = step(checker)
     except SelfCheckError as exc:
         # Every rank must reach the verdict, or the others would hang in the next collective.
-        return {"raised": str(exc), "error": checker.last_error}
+        return {
+            "raised": str(exc),
+            "error": checker.last_error,
+            "spread": checker.last_replica_spread,
+        }
     second, _, second_calls, _ = step(checker)
     out = {
         "raised": None,
         "error": checker.last_error,
+        "spread": checker.last_replica_spread,
         "plan": checker.last_plan,
         "rng_same": torch.equal(plain_rng, checked_rng),
         "calls": (plain_calls, checked_calls, second_calls),
@@ -200,6 +230,7 @@ def _assert_passed(results: list[dict], plan_kind: str) -> None:
     for rank, res in enumerate(results):
         assert res["raised"] is None, f"rank {rank}: {res['raised']}"
         assert res["error"] <= 1e-5, res
+        assert res["spread"] <= 1e-12, res  # DP replicas hold the same reduced gradient
         assert res["plan"].kind == plan_kind
         assert res["rng_same"], "the check changed the RNG stream"
         assert res["loss_same"], "step_metrics after the check differ from a plain step's"
@@ -259,3 +290,28 @@ def test_self_check_catches_split_dependent_losses(dist_pool, name, layout, worl
         assert "double scaling" in res["raised"] and "re-running the first step" in res["raised"]
         assert res["error"] > 1e-3
     assert len({res["error"] for res in results}) == 1  # one verdict: the same number everywhere
+
+
+REDUCED_WRONGLY = [
+    ("dp2-m2-no-reduce", Layout(), 2, {"finalize": "no-reduce"}),
+    ("dp2-m2-rank-factor", Layout(), 2, {"finalize": "rank-factor"}),
+    ("tp2-dp2-m2-rank-factor", Layout(tp=2), 4, {"finalize": "rank-factor"}),
+]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "name, layout, world, options", REDUCED_WRONGLY, ids=[r[0] for r in REDUCED_WRONGLY]
+)
+def test_self_check_catches_gradients_that_differ_across_dp_ranks(
+    dist_pool, name, layout, world, options
+):
+    """The structural guard sees DDP and a finalize_model_grads_func and lets these run; the
+    self-check compares the gradient across data-parallel ranks and refuses on every rank."""
+    results = dist_pool.run(_check_on_rank, world, layout, 2, **options)
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None, f"rank {rank} did not raise: {res}"
+        assert "differs across the 2 data x context-parallel ranks" in res["raised"], res
+        assert "finalize_model_grads_func = finalize_model_grads" in res["raised"]
+        assert res["spread"] > 1e-2, res
+    assert len({res["spread"] for res in results}) == 1  # one verdict everywhere
