@@ -26,7 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.args import (
+    add_lossfix_args,
+    from_args,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
 from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records
 
@@ -34,19 +40,29 @@ from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=4, help="transformer layers")
-    model.add_argument("--hidden-size", type=int, default=64, help="hidden size")
-    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
-    model.add_argument("--seq-length", type=int, default=128, help="tokens per sequence")
+    model.add_argument("--num-layers", type=positive_int, default=4, help="transformer layers")
+    model.add_argument("--hidden-size", type=positive_int, default=64, help="hidden size")
+    model.add_argument(
+        "--num-attention-heads", type=positive_int, default=4, help="attention heads"
+    )
+    model.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sequence")
     par = parser.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size")
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP size")
+    par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="TP size")
+    par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="PP size")
     train = parser.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=2, help="sequences per micro-batch")
-    train.add_argument("--global-batch-size", type=int, default=8, help="sequences per step")
-    train.add_argument("--train-iters", type=int, default=20, help="optimizer steps")
-    train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (constant)")
-    train.add_argument("--seed", type=int, default=1234, help="seed of data order and weights")
+    train.add_argument(
+        "--micro-batch-size", type=positive_int, default=2, help="sequences per micro-batch"
+    )
+    train.add_argument(
+        "--global-batch-size", type=positive_int, default=8, help="sequences per step"
+    )
+    train.add_argument("--train-iters", type=positive_int, default=20, help="optimizer steps")
+    train.add_argument(
+        "--lr", type=non_negative_float, default=3e-3, help="Adam learning rate (constant)"
+    )
+    train.add_argument(
+        "--seed", type=non_negative_int, default=1234, help="seed of data order and weights"
+    )
     train.add_argument(
         "--calculate-per-token-loss",
         action="store_true",

@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 import megatron_lossfix
 from megatron_lossfix import LossFixConfig, LossFixSchedule, training
-from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.args import (
+    add_lossfix_args,
+    finite_float,
+    from_args,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
 from megatron_lossfix.datasets import ByteTokenizer, DataStats
 from megatron_lossfix.selfcheck import SelfCheckError, with_self_check
@@ -48,7 +55,10 @@ __all__ = [
     "build_model",
     "check_launch",
     "data_log_items",
+    "finite_float",
     "init_distributed",
+    "non_negative_float",
+    "non_negative_int",
     "one_line_errors",
     "positive_int",
 ]
@@ -91,27 +101,6 @@ class ExampleArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         _exit_before_startup(self.prog, message)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 @contextlib.contextmanager
@@ -194,7 +183,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     )
     model.add_argument(
         "--moe-aux-loss-coeff",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.0,
         help="MoE load-balancing loss weight",
     )
@@ -207,7 +196,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     )
     model.add_argument(
         "--mtp-loss-scaling-factor",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=0.1,
         help="weight of the MTP losses (Megatron divides it by --mtp-num-layers)",
     )
@@ -258,11 +247,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--global-batch-size", type=positive_int, default=16, help="sequences per step"
     )
     train.add_argument("--train-iters", type=positive_int, default=200, help="optimizer steps")
-    train.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    train.add_argument("--lr", type=non_negative_float, default=3e-3, help="Adam learning rate")
     train.add_argument(
-        "--clip-grad", type=_non_negative_float, default=1.0, help="gradient clipping norm"
+        "--clip-grad", type=non_negative_float, default=1.0, help="gradient clipping norm"
     )
-    train.add_argument("--seed", type=int, default=1234, help="seed of data order and weights")
+    train.add_argument(
+        "--seed", type=non_negative_int, default=1234, help="seed of data order and weights"
+    )
     return train
 
 
@@ -427,6 +418,8 @@ def data_log_items(stats: DataStats) -> list[tuple[str, str]]:
         items.append(("no loss tokens", str(stats.no_loss_tokens)))
     if stats.eos_only:
         items.append(("eos only", str(stats.eos_only)))
+    if stats.empty_text:
+        items.append(("empty text", str(stats.empty_text)))
     return items
 
 

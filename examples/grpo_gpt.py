@@ -71,9 +71,13 @@ from common import (  # noqa: E402
     add_lossfix_flags,
     build_model,
     check_launch,
+    finite_float,
+    non_negative_float,
     one_line_errors,
     positive_int,
 )
+
+from megatron_lossfix.args import positive_float  # noqa: E402
 
 PROG = "grpo_gpt.py"
 
@@ -126,17 +130,21 @@ def _add_objective_args(rl: argparse._ArgumentGroup) -> None:
         help="ppo: clipped token ratio; gspo: clipped sequence ratio (geometric mean over the "
         "sequence's loss tokens)",
     )
-    rl.add_argument("--clip-eps-low", type=float, default=0.2, help="ratio clip below: 1 - eps")
-    rl.add_argument("--clip-eps-high", type=float, default=0.2, help="ratio clip above: 1 + eps")
+    rl.add_argument(
+        "--clip-eps-low", type=non_negative_float, default=0.2, help="ratio clip below: 1 - eps"
+    )
+    rl.add_argument(
+        "--clip-eps-high", type=non_negative_float, default=0.2, help="ratio clip above: 1 + eps"
+    )
     rl.add_argument(
         "--dual-clip-c",
-        type=float,
+        type=finite_float,
         default=None,
         help="dual-clip PPO: bound the loss of negative-advantage tokens at -A*c (c > 1; ppo only)",
     )
     rl.add_argument(
         "--kl-coef",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="weight of the KL penalty toward the reference policy (the rollouts' ref_logprobs; "
         "when sampling, the initial weights)",
@@ -147,7 +155,9 @@ def _add_objective_args(rl: argparse._ArgumentGroup) -> None:
         default="k3",
         help="per-token KL estimator (Schulman): k1 = log ratio, k2 = half its square, k3 unbiased",
     )
-    rl.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+    rl.add_argument(
+        "--entropy-coef", type=non_negative_float, default=0.0, help="weight of the entropy bonus"
+    )
 
 
 def _add_sampling_args(rl: argparse._ArgumentGroup) -> None:
@@ -160,7 +170,7 @@ def _add_sampling_args(rl: argparse._ArgumentGroup) -> None:
     )
     rl.add_argument(
         "--temperature",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="sampling temperature; the loss scores the same tempered policy (logits / T)",
     )
@@ -181,8 +191,10 @@ def _add_sampling_args(rl: argparse._ArgumentGroup) -> None:
 
 def _resolve_batch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check the RL flags and settle --global-batch-size against prompts x generations."""
-    if args.temperature <= 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if not args.clip_eps_low < 1:
+        parser.error(
+            f"--clip-eps-low must be < 1 (the ratio is clipped at 1 - eps), got {args.clip_eps_low}"
+        )
     if args.dual_clip_c is not None and args.policy_loss != "ppo":
         parser.error("--dual-clip-c applies to --policy-loss ppo only")
     if args.dual_clip_c is not None and not args.dual_clip_c > 1:

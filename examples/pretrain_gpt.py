@@ -135,7 +135,8 @@ def train(args: argparse.Namespace, records: list[dict]) -> None:
             f"data: {total.samples} samples over {args.train_iters} iterations at --seq-length "
             f"{args.seq_length}: {total.truncated} truncated ({total.cut_loss_tokens} loss tokens "
             f"cut), {total.no_loss_tokens} with no loss token (prompt fills the window), "
-            f"{total.eos_only} trained on the eos alone (empty response)",
+            f"{total.eos_only} trained on the eos alone (empty response), {total.empty_text} "
+            "empty texts (eos alone)",
             flush=True,
         )
     run.finish()

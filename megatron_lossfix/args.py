@@ -22,16 +22,64 @@ from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import with_self_check
 
-__all__ = ["add_lossfix_args", "from_args", "positive_float", "schedule_from_args"]
+__all__ = [
+    "add_lossfix_args",
+    "finite_float",
+    "from_args",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "schedule_from_args",
+]
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (argparse names the flag in its error)."""
+# argparse types: a wrong value ends in argparse's one line, which names the flag.
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (argparse names the flag in its error)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = finite_float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (seeds: numpy and Python's random refuse negatives)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (argparse names the flag in its error)."""
+    value = finite_float(text)
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 

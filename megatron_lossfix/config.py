@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from megatron_lossfix.reduction import (
     REDUCTIONS,
-    check_norm_constant,
     check_reduction,
     norm_constant_misplaced,
 )
@@ -71,7 +70,6 @@ class LossFixConfig:
                 f"{MODES}"
             )
         if self.reduction == "off":
-            check_norm_constant(self.norm_constant)
             if self.norm_constant is not None:
                 raise ValueError(norm_constant_misplaced(self.reduction))
         else:

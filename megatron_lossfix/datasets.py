@@ -106,8 +106,8 @@ def load_records(path: str | None) -> list[dict]:
         text = resources.files("megatron_lossfix").joinpath(_DEFAULT_CORPUS).read_text("utf-8")
     else:
         name = str(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = _decode_utf8(f.read(), name)
 
     records = []
     for record, where in iter_jsonl(text, name):
@@ -116,6 +116,19 @@ def load_records(path: str | None) -> list[dict]:
     if not records:
         raise ValueError(f"{name}: no records (the file is empty)")
     return records
+
+
+def _decode_utf8(data: bytes, name: str) -> str:
+    """``data`` as UTF-8 text; ``ValueError`` naming the file, line and byte that are not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(
+            f"{name}, line {line}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def iter_jsonl(text: str, name: str) -> Iterator[tuple[Any, str]]:
@@ -148,7 +161,9 @@ class DataStats:
     no_loss_tokens: int = 0
     """Samples left with no loss token: the prompt alone fills ``seq_length``."""
     eos_only: int = 0
-    """Samples whose response (or text) is empty: the only loss token is the eos."""
+    """Samples whose response is empty: the only loss token is the eos."""
+    empty_text: int = 0
+    """``{"text": ""}`` samples: the only loss token is the eos (no text to learn from)."""
 
     def add(self, other: DataStats) -> None:
         """Accumulate ``other`` into this one (a run's total from its steps)."""
@@ -162,6 +177,7 @@ class DataStats:
             "cut_loss_tokens": self.cut_loss_tokens,
             "no_loss_token_samples": self.no_loss_tokens,
             "eos_only_samples": self.eos_only,
+            "empty_text_samples": self.empty_text,
         }
 
 
@@ -180,7 +196,8 @@ def encode_record(
     if seq_length < 1:
         raise ValueError(f"seq_length must be a positive integer, got {seq_length}")
     _check_record(record, "record")
-    if _record_kind(record) == "pair":
+    pair = _record_kind(record) == "pair"
+    if pair:
         prompt = tokenizer.encode(record["prompt"])
         target = tokenizer.encode(record["response"])
     else:
@@ -196,7 +213,9 @@ def encode_record(
         stats.truncated += len(mask) > seq_length
         stats.cut_loss_tokens += int(sum(mask) - sum(kept))
         stats.no_loss_tokens += not any(kept)
-        stats.eos_only += not target and any(kept)
+        empty = not target and any(kept)
+        stats.eos_only += empty and pair
+        stats.empty_text += empty and not pair
     mask = kept
     pad = seq_length - len(tokens)
     return {

@@ -101,15 +101,14 @@ def check_reduction(reduction: str, norm_constant: float | None) -> None:
     a mode that does not use it (it would be silently ignored)."""
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
-    check_norm_constant(norm_constant)
-    if reduction == "seq_mean_token_sum_norm":
-        if norm_constant is None:
-            raise ValueError(
-                "reduction 'seq_mean_token_sum_norm' needs norm_constant (e.g. the maximum "
-                "response length); pass --loss-norm-constant"
-            )
-    elif norm_constant is not None:
+    if reduction != "seq_mean_token_sum_norm" and norm_constant is not None:
         raise ValueError(norm_constant_misplaced(reduction))
+    check_norm_constant(norm_constant)
+    if reduction == "seq_mean_token_sum_norm" and norm_constant is None:
+        raise ValueError(
+            "reduction 'seq_mean_token_sum_norm' needs norm_constant (e.g. the maximum "
+            "response length); pass --loss-norm-constant"
+        )
 
 
 def norm_constant_misplaced(reduction: object) -> str:

@@ -38,7 +38,7 @@ def test_config_is_keyword_only_and_slotted():
         ({"reduction": "seq_mean_token_sum_norm"}, "needs norm_constant"),
         ({"reduction": "seq_mean_token_sum_norm", "norm_constant": 0}, "must be > 0"),
         ({"reduction": "seq_mean_token_sum_norm", "norm_constant": -1.0}, "must be > 0"),
-        ({"reduction": "off", "norm_constant": -1.0}, "must be > 0"),
+        ({"reduction": "off", "norm_constant": -1.0}, "applies only to"),
         ({"reduction": "sum", "weights_key": "loss_mask"}, "must differ"),
     ],
 )

@@ -122,6 +122,7 @@ def test_stats_count_what_encoding_cuts():
         "cut_loss_tokens": 8,
         "no_loss_token_samples": 1,
         "eos_only_samples": 1,
+        "empty_text_samples": 0,
     }
 
 
@@ -294,3 +295,22 @@ def test_microbatches_errors():
         )
     with pytest.raises(ValueError, match="no tensors"):
         microbatches({}, dp_rank=0, dp_size=1, micro_batch_size=1)
+
+
+@pytest.mark.unit
+def test_empty_text_has_its_own_count():
+    stats = DataStats()
+    encode_record({"text": ""}, TOK, 8, stats)
+    encode_record({"prompt": "p", "response": ""}, TOK, 8, stats)
+    assert (stats.empty_text, stats.eos_only) == (1, 1)
+    assert stats.as_record()["empty_text_samples"] == 1
+
+
+@pytest.mark.unit
+def test_a_non_utf8_file_is_refused_naming_file_line_and_byte(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n\n{"text": "caf\xff"}\n')
+    with pytest.raises(
+        ValueError, match=r"data.jsonl, line 3: not UTF-8 \(byte 0xff at column 14\)"
+    ):
+        load_records(str(path))

@@ -132,7 +132,15 @@ def _one_line_error(scripts, capsys, monkeypatch, name: str, args: list[str], **
     [
         (["--micro-batch-size", "0"], "argument --micro-batch-size: must be a positive integer"),
         (["--data-path", "no/such.jsonl"], "--data-path no/such.jsonl: No such file or directory"),
-        (["--loss-norm-constant", "0"], "--loss-norm-constant applies only to"),
+        (["--loss-norm-constant", "0"], "applies only to reduction seq_mean_token_sum_norm"),
+        (["--loss-reduction", "seq_mean_token_sum_norm", "--loss-norm-constant", "inf"],
+         "(--loss-norm-constant) must be > 0 and finite, got inf"),
+        (["--lr", "-0.01"], "argument --lr: must be >= 0, got -0.01"),
+        (["--clip-grad", "inf"], "argument --clip-grad: must be a finite number, got inf"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["--lossfix-self-check-tolerance", "-1"],
+         "argument --lossfix-self-check-tolerance: must be a finite number > 0, got -1"),
+        (["--data-path", "{latin1}"], "latin1.jsonl, line 1: not UTF-8 (byte 0xff at column 11)"),
         (["--loss-reduction", "seq_mean_token_sum_norm", "--loss-norm-constant", "0"], "> 0"),
         (["--data-path", "{bad}"], "line 2: malformed JSON"),
         (["--global-batch-size", "10"], "--global-batch-size 10 is not divisible by"),
@@ -140,13 +148,16 @@ def _one_line_error(scripts, capsys, monkeypatch, name: str, args: list[str], **
         (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4"),
         (["--loss-reduction", "mean"], "invalid choice: 'mean'"),
     ],
-    ids=["mbs0", "missing-data", "norm-constant", "norm-constant-0", "bad-jsonl", "gbs", "cp",
+    ids=["mbs0", "missing-data", "norm-constant", "norm-constant-inf", "lr", "clip", "seed",
+         "self-check-tolerance", "not-utf8", "norm-constant-0", "bad-jsonl", "gbs", "cp",
          "heads", "mode"],
 )  # fmt: skip
 def test_pretrain_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
-    args = [a.replace("{bad}", str(bad)) for a in args]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "\xff"}\n')
+    args = [a.replace("{bad}", str(bad)).replace("{latin1}", str(latin1)) for a in args]
     line = _one_line_error(scripts, capsys, monkeypatch, "pretrain_gpt.py", args)
     assert message in line, (message, line)
 
@@ -171,8 +182,20 @@ def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
         (["--pipeline-model-parallel-size", "2", "--num-layers", "2"], "sampling needs"),
         (["--seq-length", "10"], "--seq-length 10 is too short"),
         (["--num-generations", "0"], "argument --num-generations: must be a positive integer"),
+        (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
+        (["--clip-eps-low", "1.5"], "--clip-eps-low must be < 1"),
+        (["--kl-coef", "nan"], "argument --kl-coef: must be a finite number, got nan"),
     ],
-    ids=["missing-rollouts", "bad-rollout", "sampling-pp", "seq-length", "generations"],
+    ids=[
+        "missing-rollouts",
+        "bad-rollout",
+        "sampling-pp",
+        "seq-length",
+        "generations",
+        "temperature",
+        "clip-eps-low",
+        "kl-coef",
+    ],
 )
 def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
     bad = tmp_path / "bad.jsonl"
@@ -201,7 +224,7 @@ def _expected_losses(records: list[dict], seq_length: int) -> dict:
     """Plain-Python reference of the per-step counts for a step that holds every record once:
     label positions are prompt bytes (no loss), then response bytes and the eos (loss)."""
     out = {"truncated_samples": 0, "cut_loss_tokens": 0, "no_loss_token_samples": 0,
-           "eos_only_samples": 0}  # fmt: skip
+           "eos_only_samples": 0, "empty_text_samples": 0}  # fmt: skip
     for rec in records:
         prompt = len(rec.get("prompt", "").encode())
         target = len((rec.get("response") if "prompt" in rec else rec["text"]).encode())
@@ -210,7 +233,8 @@ def _expected_losses(records: list[dict], seq_length: int) -> dict:
         out["truncated_samples"] += positions > seq_length
         out["cut_loss_tokens"] += target + 1 - kept
         out["no_loss_token_samples"] += kept == 0
-        out["eos_only_samples"] += target == 0 and kept > 0
+        out["eos_only_samples"] += target == 0 and kept > 0 and "prompt" in rec
+        out["empty_text_samples"] += target == 0 and kept > 0 and "prompt" not in rec
     return out
 
 
@@ -220,12 +244,13 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
         {"prompt": "Q", "response": "R" * 300},  # the response is cut
         {"prompt": "Say nothing.", "response": ""},  # trains on the eos alone
         {"text": "A short text."},  # fits
+        {"text": ""},  # an empty text: the eos alone, counted apart from empty responses
     ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     # One step holds every record once (global batch = number of records).
-    args = ["--data-path", str(data), "--seq-length", "64", "--global-batch-size", "4",
-            "--micro-batch-size", "2", "--train-iters", "2", "--hidden-size", "32",
+    args = ["--data-path", str(data), "--seq-length", "64", "--global-batch-size", "5",
+            "--micro-batch-size", "5", "--train-iters", "2", "--hidden-size", "32",
             "--num-layers", "2"]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(ROOT / "examples" / "pretrain_gpt.py"), "--metrics-out",
@@ -241,8 +266,8 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
     assert len(lines) == 2
     for line in lines:
         assert f"truncated: 2 ({want['cut_loss_tokens']} loss tokens cut)" in line
-        assert "no loss tokens: 1" in line and "eos only: 1" in line
-    assert "data: 8 samples over 2 iterations at --seq-length 64: 4 truncated" in proc.stdout
+        assert "no loss tokens: 1" in line and "eos only: 1" in line and "empty text: 1" in line
+    assert "data: 10 samples over 2 iterations at --seq-length 64: 4 truncated" in proc.stdout
 
 
 @pytest.mark.parametrize("reduction", ["sequence_mean", "off"])
