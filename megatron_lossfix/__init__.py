@@ -16,6 +16,7 @@ from megatron_lossfix.config import MODES, LossFixConfig
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.losses import weighted_loss, weighted_sum
+from megatron_lossfix.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.reduction import REDUCTIONS, loss_weights
 from megatron_lossfix.rl_losses import (
     RLObjective,
@@ -24,6 +25,7 @@ from megatron_lossfix.rl_losses import (
     scale_advantages,
 )
 from megatron_lossfix.schedule import LossFixSchedule, StepRefused
+from megatron_lossfix.selfcheck import SelfCheckError
 
 __all__ = [
     "MODES",
@@ -31,6 +33,7 @@ __all__ = [
     "LossFixConfig",
     "LossFixSchedule",
     "RLObjective",
+    "SelfCheckError",
     "StepRefused",
     "add_lossfix_args",
     "enable_cpu_megatron",
@@ -40,6 +43,7 @@ __all__ = [
     "rl_objective",
     "scale_advantages",
     "schedule_from_args",
+    "slice_batch_for_cp",
     "vocab_parallel_logprobs_entropy",
     "weighted_loss",
     "weighted_sum",

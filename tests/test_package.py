@@ -31,7 +31,9 @@ def test_importing_the_package_does_not_import_megatron():
 
 def test_contract_names_are_top_level():
     """What outside harnesses import (docs/design.md §5): no internal module path needed."""
-    for name in ("LossFixConfig", "LossFixSchedule", "enable_cpu_megatron", "StepRefused"):
+    for name in ("REDUCTIONS", "loss_weights", "LossFixConfig", "LossFixSchedule",
+                 "enable_cpu_megatron", "slice_batch_for_cp", "StepRefused", "SelfCheckError",
+                 "weighted_loss", "add_lossfix_args", "schedule_from_args"):  # fmt: skip
         assert name in megatron_lossfix.__all__, name
     assert megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.cpu_compat"
 
