@@ -176,6 +176,10 @@ class MegatronLMLossFix:
         config: the plugin configuration (``off``: stock numerics, metrics only).
         forward_backward_func: Megatron's schedule (``get_forward_backward_func()``).
         metrics_out: append one JSON line per step here (last rank), or None.
+        sft_evaluation: the schedule of Megatron-LM's ``evaluate()`` under ``--sft``, which
+            divides each micro-batch's ``[value, count]`` report and averages the quotients
+            over micro-batches and DP x CP ranks: each micro-batch then reports
+            ``[contribution x M x DP x CP, 1]``, whose average is the step's loss L.
     """
 
     def __init__(
@@ -183,10 +187,16 @@ class MegatronLMLossFix:
         config: LossFixConfig,
         forward_backward_func: Callable[..., Any],
         metrics_out: str | None = None,
+        *,
+        sft_evaluation: bool = False,
     ) -> None:
         self.config = config
         self.schedule = LossFixSchedule(config, forward_backward_func)
+        self.inner = forward_backward_func
+        """The wrapped Megatron schedule."""
         self.metrics_out = metrics_out
+        self.sft_evaluation = sft_evaluation
+        self._sft_scale: float | None = None
         self.last_metrics: dict[str, float] | None = None
         self._indicator_pending = False
         self._streaming = False
@@ -223,6 +233,17 @@ class MegatronLMLossFix:
         # normalization to Megatron, so the report keeps Megatron-LM's [sum, num_tokens].
         self._streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
         groups = resolve_groups(kwargs.get("pg_collection"))
+        self._sft_scale = None
+        if self.sft_evaluation:
+            if self._streaming:  # the weights are the raw mask there: stock evaluation
+                return self.inner(
+                    forward_step_func=forward_step_func,
+                    data_iterator=data_iterator,
+                    model=model,
+                    num_microbatches=num_microbatches,
+                    **kwargs,
+                )
+            self._sft_scale = float(num_microbatches * groups.dp_cp_size)
         # [contribution, indicator]: count 1 exactly once per step over the DP x CP group.
         self._indicator_pending = groups.dp_cp is None or dist.get_rank(groups.dp_cp) == 0
         tp_group = getattr(kwargs.get("pg_collection"), "tp", None)
@@ -309,6 +330,11 @@ class MegatronLMLossFix:
                 )
             output_tensor = output_tensor.reshape(weights.shape)
         loss, num_tokens, _ = weighted_loss(weights, output_tensor)
+        if self._sft_scale is not None:
+            # --sft evaluation averages value / count over micro-batches and DP x CP ranks.
+            count = torch.ones((), dtype=torch.float32, device=loss.device)
+            report = {LOSS_KEY: torch.stack([loss.detach().float() * self._sft_scale, count])}
+            return loss, num_tokens, report
         if self._streaming:
             count = num_tokens.to(torch.float32)  # weights are the mask: Megatron-LM's report
         else:
@@ -330,6 +356,9 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     config = from_args(args)
     if config is None:
         return forward_backward_func
+    if isinstance(forward_backward_func, MegatronLMLossFix):
+        # train() asked the module for its schedule after _route_evaluation replaced it.
+        forward_backward_func = forward_backward_func.inner
     reasons = []
     if getattr(args, "modelopt_enabled", False):
         reasons.append("ModelOpt (its loss_func replaces pretrain_gpt's)")
@@ -357,7 +386,39 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     )
     if wrapper.metrics_out is not None:
         _record_train_steps(wrapper)
+    _route_evaluation(config, args)
     return with_self_check(wrapper, args)
+
+
+def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
+    """Make Megatron-LM's ``evaluate()`` weigh its validation loss by the plugin's mode.
+
+    ``evaluate()`` asks ``training.get_forward_backward_func`` for its own schedule. Without
+    ``--sft`` it sums ``[loss, tokens]`` over micro-batches, DP x CP ranks and ``--eval-iters``
+    and divides: the exact token mean, pooled over the evaluation, so ``token_mean`` is left as
+    it is. Every other mode is routed through the plugin (the logged value is then the mean
+    over ``--eval-iters`` of that mode's global loss of each evaluation batch), and so is every
+    mode under ``--sft``, where ``evaluate()`` averages per-micro-batch means instead. ``off``
+    stays stock. Wrapping the module attribute, as for ``train_step``, affects this run only.
+    """
+    if config.reduction == "off" or (
+        config.reduction == "token_mean" and not getattr(args, "sft", False)
+    ):
+        return
+    try:
+        from megatron.training import training
+    except ImportError:  # megatron-core alone: no Megatron-LM evaluate() to route
+        return
+    original = training.get_forward_backward_func
+    original = getattr(original, "_lossfix_original", original)  # once per run, not nested
+    sft = bool(getattr(args, "sft", False))
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*fargs: Any, **fkwargs: Any) -> MegatronLMLossFix:
+        return MegatronLMLossFix(config, original(*fargs, **fkwargs), sft_evaluation=sft)
+
+    get_forward_backward_func._lossfix_original = original
+    training.get_forward_backward_func = get_forward_backward_func
 
 
 def _record_train_steps(wrapper: MegatronLMLossFix) -> None:

@@ -280,3 +280,63 @@ def test_patched_pretrain_gpt_is_layout_invariant(
     stock_diff = max(max_rel_diff(reference, stock, k) for k in ("lm_loss", "grad_norm"))
     print(f"{Path(checkout).name} {model} {layout}: token_mean max rel diff {fix_diff:.1e}, "
           f"stock {stock_diff:.1e}")  # fmt: skip
+
+
+@pytest.mark.unit
+def test_sft_evaluation_report_averages_to_the_step_loss() -> None:
+    """Megatron-LM's evaluate() under --sft divides each micro-batch's report and averages the
+    quotients over micro-batches and DP ranks: the plugin's reports must average to L."""
+    from megatron_lossfix import loss_weights
+
+    masks = [torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0]]),
+             torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([[0.0, 1.0, 0.0]])]  # fmt: skip
+    losses = [torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[4.0, 9.0, 9.0]]),
+              torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([[9.0, 6.0, 9.0]])]  # fmt: skip
+    weights = loss_weights(masks, "sequence_mean")  # the whole mini-batch: L = sum(w * l)
+    want = float(sum((w * x).sum() for w, x in zip(weights, losses, strict=True)))
+    per_rank = []
+    for rank in range(2):  # 2 DP ranks x 2 micro-batches
+        wrapper = MegatronLMLossFix(
+            LossFixConfig(reduction="sequence_mean"), lambda **kw: [], sft_evaluation=True
+        )
+        wrapper._sft_scale = 2.0 * 2.0  # num_microbatches x DP x CP
+        quotients = []
+        for k in (2 * rank, 2 * rank + 1):
+            value, count = wrapper._loss(weights[k], losses[k])[2][LOSS_KEY].tolist()
+            quotients.append(value / count)
+        per_rank.append(sum(quotients) / len(quotients))  # evaluate(): mean over micro-batches
+    assert sum(per_rank) / 2 == pytest.approx(want)  # evaluate(): mean over the DP group
+
+
+@pytest.mark.unit
+def test_evaluation_is_routed_where_stock_is_not_the_modes_value(monkeypatch) -> None:
+    """evaluate() asks training.get_forward_backward_func for its schedule: the plugin wraps it
+    for every mode but token_mean without --sft (stock pools [loss, tokens]: already exact) and
+    off; train() asking again later gets the plain schedule wrapped once."""
+    import sys
+    import types
+
+    def stock(**kwargs: object) -> list:
+        return []
+
+    for reduction, sft, routed in (
+        ("sequence_mean", False, True),
+        ("token_mean", True, True),
+        ("token_mean", False, False),
+        ("off", True, False),
+    ):
+        training = types.ModuleType("megatron.training.training")
+        training.get_forward_backward_func = lambda *a, **k: stock
+        package = types.ModuleType("megatron.training")
+        package.training = training
+        monkeypatch.setitem(sys.modules, "megatron.training", package)
+        monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+        args = _args(loss_reduction=reduction)
+        args.sft = sft
+        wrap_forward_backward_func(stock, args)
+        got = training.get_forward_backward_func(schedule_pg_collection=None)
+        assert isinstance(got, MegatronLMLossFix) is routed, (reduction, sft)
+        if routed:
+            assert got.inner is stock and got.sft_evaluation is sft
+            again = wrap_forward_backward_func(got, args)  # a second train() in the same run
+            assert isinstance(again, MegatronLMLossFix) and again.inner is stock
