@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from functools import partial
 from pathlib import Path
 
@@ -340,3 +341,49 @@ def test_evaluation_is_routed_where_stock_is_not_the_modes_value(monkeypatch) ->
             assert got.inner is stock and got.sft_evaluation is sft
             again = wrap_forward_backward_func(got, args)  # a second train() in the same run
             assert isinstance(again, MegatronLMLossFix) and again.inner is stock
+
+
+#: Validation layouts: name -> (ranks, micro-batch size); the global batch is 8 sequences.
+EVAL_LAYOUTS = {"mb1": (1, 1), "mb4": (1, 4), "dp2": (2, 1)}
+_VALIDATION = re.compile(r"validation loss at iteration\s+(\d+).*?lm loss value: ([0-9.E+-]+)")
+
+
+def _validation_losses(lm_runs: _Runs, checkout: str, layout: str, mode: str) -> list[float]:
+    """The validation losses Megatron-LM logs after one training step at learning rate 0 (the
+    same weights in every layout), on a validation split of the masked data."""
+    from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+
+    copy, eod, data, load = lm_runs.copy(checkout, "dense")
+    nproc, mbs = EVAL_LAYOUTS[layout]
+    args = tiny_gpt_args(micro_batch_size=mbs, train_iters=1, data_path=data, eod=eod) + load
+    for flag, value in (("--split", "50,50,0"), ("--eval-iters", "2"), ("--lr", "0")):
+        args[args.index(flag) + 1] = value
+    args += ["--eval-interval", "1", "--min-lr", "0"]
+    if mode != "stock":
+        args += ["--loss-reduction", mode]
+    result = run_pretrain_gpt(copy, args, nproc=nproc, timeout=3000)
+    assert result.returncode == 0, result.output[-4000:]
+    values = [float(m[2]) for m in _VALIDATION.finditer(result.output)]
+    assert values, result.output[-4000:]
+    return values
+
+
+@needs_megatron_lm
+@pytest.mark.e2e
+@pytest.mark.parametrize("checkout", CHECKOUTS, ids=lambda p: Path(p).name)
+def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str):
+    """Megatron-LM's evaluate(): stock (no --sft) pools [loss, tokens], the exact token mean,
+    the same under micro-batch 1, 4 and DP2; with --loss-reduction sequence_mean it is routed
+    through the plugin: the same under every layout, and the sequence mean, not the token mean."""
+    got = {
+        (mode, layout): _validation_losses(lm_runs, checkout, layout, mode)
+        for mode in ("stock", "token_mean", "sequence_mean")
+        for layout in EVAL_LAYOUTS
+    }
+    for mode in ("stock", "token_mean", "sequence_mean"):
+        reference = got[mode, "mb1"]
+        for layout in EVAL_LAYOUTS:
+            assert got[mode, layout] == pytest.approx(reference, rel=REL), (mode, layout, got)
+    assert got["token_mean", "mb1"] == pytest.approx(got["stock", "mb1"], rel=REL)
+    assert got["sequence_mean", "mb1"][0] != pytest.approx(got["token_mean", "mb1"][0], rel=1e-3)
+    print(f"{Path(checkout).name} validation losses: {got}")
