@@ -54,3 +54,22 @@ def test_dp2_without_finalize_model_grads_is_refused_on_both_ranks():
         assert len(lines) == 1, (rank, proc.stdout, proc.stderr[-3000:])
         assert lines[0].startswith(f"rank {rank}: megatron_lossfix refused this step: ")
         assert FIX in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--lr", "-0.01"), "--lr"),
+        (("--micro-batch-size", "0"), "--micro-batch-size"),
+        (("--global-batch-size", "8", "--micro-batch-size", "3"), "--global-batch-size"),
+        (("--loss-norm-constant", "5"), "--loss-norm-constant"),
+    ],
+)
+def test_bad_flags_stop_before_start_up_with_one_line(args, flag):
+    """Checked before the process group starts: argparse's one line naming the flag, exit 2."""
+    cmd = [sys.executable, str(ROOT / "examples" / "own_loop.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("own_loop.py: error: "), proc.stderr[-2000:]
+    assert flag in error and "Traceback" not in proc.stderr, proc.stderr[-2000:]
