@@ -24,6 +24,8 @@ import torch
 
 from megatron_lossfix.bridge import bridge_cu_seqlens
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
 needs_bridge = pytest.mark.skipif(

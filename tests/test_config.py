@@ -8,6 +8,8 @@ import pytest
 from megatron_lossfix import REDUCTIONS, LossFixConfig
 from megatron_lossfix.config import MODES
 
+pytestmark = pytest.mark.unit
+
 
 def test_modes_are_the_reductions_and_off():
     assert MODES == (*REDUCTIONS, "off")
