@@ -24,7 +24,6 @@ import torch
 
 from megatron_lossfix.bridge import bridge_cu_seqlens
 
-
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
 needs_bridge = pytest.mark.skipif(
