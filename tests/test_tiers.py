@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 
 def _item(*markers: str, fixtures: tuple[str, ...] = ()) -> SimpleNamespace:
-    marks = [pytest.Mark(name, (), {}) for name in markers]
+    marks = [getattr(pytest.mark, name).mark for name in markers]
     return SimpleNamespace(
         nodeid=f"t[{','.join(markers)}]", iter_markers=lambda: iter(marks), fixturenames=fixtures
     )
