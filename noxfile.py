@@ -16,9 +16,11 @@ Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
   gradient oracle over the layout matrix, MTP, Megatron-LM's patched ``pretrain_gpt.py`` at
   ``core_v0.16.1`` and Megatron-Core's own schedule tests of that tag.
 * ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite (Megatron-LM at
-  ``core_v0.19.0``); then, in the same virtualenv (torch is the expensive part), megatron-core
-  0.17.1 and 0.18.2 with ``RELEASE_TESTS`` each (their own Megatron-LM tags); last, megatron-core
-  0.19.2 again with Megatron Bridge 0.6.2 (``.ci/install_bridge.sh``) for the Bridge tests.
+  ``core_v0.19.0``); then, in the same virtualenv, Megatron Bridge 0.6.2
+  (``.ci/install_bridge.sh``) for the Bridge tests.
+* ``older-3.12`` (not run by default, it does not fit CI's time; ``nox -s older-3.12``):
+  Python 3.12 with megatron-core 0.17.1, then 0.18.2 in the same virtualenv, ``RELEASE_TESTS``
+  each (Megatron-LM at ``core_v0.17.1`` and ``core_v0.18.2``).
 
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
@@ -45,7 +47,7 @@ nox.options.sessions = ["lint", "tests-3.11", "tests-3.12"]
 TORCH = "torch==2.13.0"
 RUFF = "ruff==0.17.6"
 LATEST = {"3.11": "0.16.1", "3.12": "0.19.2"}
-#: Older releases of the 3.12 line, checked in the 3.12 virtualenv after the whole suite.
+#: Older releases of the 3.12 line (session older-3.12).
 OLDER_312 = ("0.17.1", "0.18.2")
 #: What depends on the megatron-core release: Megatron's averaging pinned, the oracle over the
 #: layout matrix, MTP, and Megatron-LM's own code at the release's tag (its patched
@@ -120,14 +122,16 @@ def _selected() -> list[str]:
     return names or list(nox.options.sessions)
 
 
-def _install(session: nox.Session, python: str) -> None:
-    megatron_core = f"megatron-core=={LATEST[python]}"
+def _install(session: nox.Session, python: str, release: str | None = None) -> None:
+    megatron_core = f"megatron-core=={release or LATEST[python]}"
+    downloaded = python == "3.12" and bool(glob.glob(os.path.join(WHEELS_312, "torch-*.whl")))
     if python == "3.12" and _prefetch is not None:
         session.log("waiting for the background download of the 3.12 wheels")
-        if _prefetch.wait() == 0:
-            session.install("--no-index", "--find-links", WHEELS_312, TORCH, megatron_core)
-        else:
+        downloaded = _prefetch.wait() == 0
+        if not downloaded:
             session.warn(f"background download failed (see {WHEELS_312}/download.log)")
+    if downloaded:
+        session.install("--no-index", "--find-links", WHEELS_312, TORCH)
     session.install(TORCH, megatron_core, "-e", ".[test]", *MEGATRON_LM_DEPS[python])
 
 
@@ -163,17 +167,22 @@ def tests_311(session: nox.Session) -> None:
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
-    """Whole suite on megatron-core 0.19.2, the release checks on 0.17.1 and 0.18.2, Bridge."""
+    """Whole suite on megatron-core 0.19.2, then Megatron Bridge."""
     _install(session, "3.12")
     _pytest(session, "tests")
     if session.posargs:
         return
-    for release in OLDER_312:
-        session.install(f"megatron-core=={release}")
-        _pytest(session, *RELEASE_TESTS)
-    session.install(f"megatron-core=={LATEST['3.12']}")
     # Megatron Bridge last: Bridge 0.6 pins the 0.19 line, and the nvidia-resiliency-ext it
     # brings breaks a plain `import megatron.core` (the plugin's Bridge CPU shims hide it), so
     # nothing else runs in this virtualenv after it.
     session.run("bash", ".ci/install_bridge.sh", os.path.join(session.bin, "python"), external=True)
     _pytest(session, "-m", "e2e", "tests/test_bridge.py")
+
+
+@nox.session(name="older-3.12", python="3.12", download_python="never", default=False)
+def older_312(session: nox.Session) -> None:
+    """What depends on the release, on megatron-core 0.17.1 and 0.18.2 (their Megatron-LM tags)."""
+    _install(session, "3.12", OLDER_312[0])
+    for release in OLDER_312:
+        session.install(f"megatron-core=={release}")
+        _pytest(session, *RELEASE_TESTS)
