@@ -140,7 +140,7 @@ def _pytest(session: nox.Session, *default: str) -> None:
     exits 0 when every selected test skipped)."""
     report = os.path.join(session.create_tmp(), "junit.xml")
     session.run(
-        "python", "-m", "pytest", "-q", "-rs", f"--junitxml={report}",
+        "python", "-m", "pytest", "-q", "-rs", "--durations=15", f"--junitxml={report}",
         *(session.posargs or default),
     )  # fmt: skip
     suites = ElementTree.parse(report).getroot().iter("testsuite")
