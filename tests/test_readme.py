@@ -298,7 +298,7 @@ def test_quick_start_first_iteration_is_as_stated(readme_runs):
     """The quick start's first logged iteration: the loss and what the data lost, as stated."""
     stated = re.search(r"loss falls from\s+about\s+([\d.]+)", README)
     assert stated, "the quick start no longer states its first loss"
-    truncated = re.search(r"`(truncated: \d+ \(\d+ loss tokens cut\))` at the first", README)
+    truncated = re.search(r"`(truncated: \d+ \(\d+ loss tokens cut\))`\s+at the first", README)
     assert truncated, "the quick start no longer states what the first iteration truncates"
     output = _run_of(readme_runs, "--train-iters 100 --log-interval 10")
     first = re.search(r"iteration\s+1/\s*\d+ \|(.*)", output)
