@@ -24,8 +24,9 @@ Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
 
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
-line, without it. While ``tests-3.11`` runs, the wheels ``tests-3.12`` installs are downloaded
-in the background into ``.nox/wheels-3.12`` (their download is most of that session's set-up).
+line, without it. While ``tests-3.11`` runs its tests, the wheels ``tests-3.12`` installs are
+downloaded in the background into ``.nox/wheels-3.12`` (their download is most of that
+session's set-up).
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
     """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
-    _start_prefetch_312(session)
     _install(session, "3.11")
+    _start_prefetch_312(session)  # after this install, not beside it: both fetch and unpack
     _pytest(session, *RELEASE_TESTS)
 
 
