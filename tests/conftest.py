@@ -50,6 +50,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests without a valid tier marker:\n" + "\n".join(problems))
 
 
+#: Lines that tests report for the run's summary (the figures of the Megatron-LM runs).
+FIGURES: list[str] = []
+
+
+@pytest.fixture
+def report_figure():
+    """``report_figure(line)``: print ``line`` in the run's closing summary, pass or fail."""
+    return FIGURES.append
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FIGURES:
+        terminalreporter.section("figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[DistPool]:
     """8 long-lived ranks, started on first use (imports cost seconds per rank) and shared by all

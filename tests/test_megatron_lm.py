@@ -273,7 +273,7 @@ def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_patched_pretrain_gpt_is_layout_invariant(
-    lm_runs: _Runs, checkout: str, layout: str, model: str
+    lm_runs: _Runs, checkout: str, layout: str, model: str, report_figure
 ):
     """1 rank x 8 micro-batches vs micro-batch 4 (with the runtime self-check), DP2, TP2, PP2 on
     data where about half the tokens are masked, every run starting from the same initial
@@ -296,5 +296,5 @@ def test_patched_pretrain_gpt_is_layout_invariant(
     stock = lm_runs.get(checkout, layout, "stock", model)
     assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)
     stock_diff = max(max_rel_diff(reference, stock, k) for k in ("lm_loss", "grad_norm"))
-    print(f"{checkout} {model} {layout}: token_mean max rel diff {fix_diff:.1e}, "
-          f"stock {stock_diff:.1e}")  # fmt: skip
+    report_figure(f"Megatron-LM {checkout} {model} {layout}: token_mean max rel diff "
+                  f"{fix_diff:.1e}, stock {stock_diff:.1e}")  # fmt: skip

@@ -82,7 +82,7 @@ def _differing(stock: dict, swapped: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("tag", TAGS or ["none"])
-def test_megatron_schedule_tests_pass_alike_stock_and_swapped(tag, tmp_path):
+def test_megatron_schedule_tests_pass_alike_stock_and_swapped(tag, tmp_path, report_figure):
     checkout = unpack_tag(ARCHIVES, tag, tmp_path)
     if not (checkout / TEST_FILE).exists():
         pytest.skip(f"{TEST_FILE} not in {tag}")
@@ -100,6 +100,8 @@ def test_megatron_schedule_tests_pass_alike_stock_and_swapped(tag, tmp_path):
     assert swapped == stock, f"swapped {swapped} != stock {stock}"
     passed = sum(o == {"PASSED"} for o in stock.values())
     others = {t.split("::")[-1]: sorted(o) for t, o in stock.items() if o != {"PASSED"}}
-    print(f"{tag}: {passed} of {len(stock)} passed on all 8 ranks, both runs; "
-          f"the others, alike both runs: {others or 'none'}; run again alone: "
-          f"{retried or 'none'}")  # fmt: skip
+    report_figure(
+        f"Megatron-Core's schedule tests {tag}: {passed} of {len(stock)} passed on all 8 ranks, "
+        f"both runs; the others, alike both runs: {others or 'none'}; run again alone: "
+        f"{retried or 'none'}"
+    )
