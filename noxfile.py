@@ -2,58 +2,74 @@
 
     python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
 
-runs them all (that is the README's test command and what CI runs); ``nox -s tests-3.11`` runs
-one, and arguments after ``--`` replace pytest's default ``tests`` (``-- tests/test_args.py``).
-Each session makes its own virtualenv under ``.nox/``, installs torch 2.13.0, the pinned
-megatron-core and this project with its test extras, and runs the suite on CPU/gloo:
+runs every session below (that is the README's test command and what CI runs); ``nox -s
+tests-3.11`` runs one, and arguments after ``--`` replace pytest's default selection
+(``-- tests/test_args.py``, ``-- -m unit``). Each tests session makes its own virtualenv under
+``.nox/``, installs ``torch==2.13.0`` (whichever build pip finds for that Python: in CI a CPU
+wheel for 3.11 from pip's configured find-links, and PyPI's default build, the CUDA one, for
+3.12; both run on CPU), the pinned megatron-core, this project with its test extras and what
+Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
 
-* ``tests-3.11``: Python 3.11, torch's CPU wheel, megatron-core 0.16.1 (the last release that
-  supports Python 3.11): the whole suite.
-* ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite; then, in the same
-  virtualenv (torch is the expensive part), megatron-core 0.17.1 and 0.18.2 for the release
-  checks and the invariance matrix, context parallelism included; last, megatron-core 0.19.2
-  again with Megatron Bridge 0.6.2 (``.ci/install_bridge.sh``) for the Bridge tests.
+* ``lint``: ``ruff check`` and ``ruff format --check`` (ruff pinned as in the test extras).
+* ``tests-3.11``: Python 3.11, megatron-core 0.16.1 (the last release that supports Python
+  3.11): what depends on the release (``RELEASE_TESTS``): Megatron's averaging pinned, the
+  gradient oracle over the layout matrix, MTP, Megatron-LM's patched ``pretrain_gpt.py`` at
+  ``core_v0.16.1`` and Megatron-Core's own schedule tests of that tag.
+* ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite (Megatron-LM at
+  ``core_v0.19.0``); then, in the same virtualenv, Megatron Bridge 0.6.2
+  (``.ci/install_bridge.sh``) for the Bridge tests.
+* ``older-3.12`` (not run by default, it does not fit CI's time; ``nox -s older-3.12``):
+  Python 3.12 with megatron-core 0.17.1, then 0.18.2 in the same virtualenv, ``RELEASE_TESTS``
+  each (Megatron-LM at ``core_v0.17.1`` and ``core_v0.18.2``).
 
-Where a git mirror of NVIDIA/Megatron-LM is at hand (``MEGATRON_LM_GIT``, by default the one the
-``fetch`` tool keeps), each session also runs Megatron-Core's own pipeline-schedule tests with the
-plugin swapped in (``tests/test_upstream_schedules.py``): core_v0.16.1 in 3.11, core_v0.19.0 in
-3.12, each tag's tree exported with ``git archive`` into ``.nox/megatron-lm/``. Without a mirror
-the session says so and goes on.
+The Megatron-LM tests read their source trees from the folder of archives that
+``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
+line, without it. While ``tests-3.11`` runs its tests, the wheels ``tests-3.12`` installs are
+downloaded in the background into ``.nox/wheels-3.12`` (their download is most of that
+session's set-up).
 """
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import shutil
 import subprocess
+import sys
+from xml.etree import ElementTree
 
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "tests-3.11", "tests-3.12"]
 
 TORCH = "torch==2.13.0"
+RUFF = "ruff==0.17.6"
 LATEST = {"3.11": "0.16.1", "3.12": "0.19.2"}
-#: Older releases of the 3.12 line, checked in the 3.12 virtualenv after the full suite.
+#: Older releases of the 3.12 line (session older-3.12).
 OLDER_312 = ("0.17.1", "0.18.2")
-#: What pins Megatron's averaging and the layout matrix (the release-sensitive part).
-MATRIX_TESTS = (
+#: What depends on the megatron-core release: Megatron's averaging pinned, the oracle over the
+#: layout matrix, MTP, and Megatron-LM's own code at the release's tag (its patched
+#: ``pretrain_gpt.py`` and its pipeline-schedule tests).
+RELEASE_TESTS = (
     "tests/test_megatron_averaging.py",
     "tests/test_invariance.py",
     "tests/test_hard_layouts.py",
     "tests/test_mtp.py",
+    "tests/test_megatron_lm.py::test_patched_pretrain_gpt_is_layout_invariant",
+    "tests/test_upstream_schedules.py",
 )
-
-#: Megatron-LM tag whose own schedule tests run in each world (the oldest and newest supported).
-UPSTREAM_TAG = {"3.11": "core_v0.16.1", "3.12": "core_v0.19.0"}
-#: What those tests import beyond megatron-core: pytest-mock everywhere, and from 0.19 on
-#: Megatron-LM's ``megatron.training`` (through ``tests/unit_tests/test_utilities.py``).
-UPSTREAM_DEPS = {
-    "3.11": ("pytest-mock",),
-    "3.12": ("pytest-mock", "pyyaml", "einops", "six", "regex", "pydantic", "pybind11"),
-}
-MEGATRON_LM_GIT = os.environ.get("MEGATRON_LM_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+#: What Megatron-LM's ``pretrain_gpt.py`` (``megatron/training``) and its schedule tests import
+#: beyond megatron-core; triton comes with torch's CUDA build but not with the CPU wheel.
+MEGATRON_LM_DEPS = {
+    "3.11": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "triton",
+             "pytest-mock"),
+    "3.12": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "pytest-mock"),
+}  # fmt: skip
+WHEELS_312 = os.path.join(".nox", "wheels-3.12")
+_prefetch: subprocess.Popen | None = None
 
 
 def _expose_pyenv_versions() -> None:
@@ -74,52 +90,100 @@ def _expose_pyenv_versions() -> None:
 _expose_pyenv_versions()
 
 
-def _install(session: nox.Session, megatron_core: str) -> None:
-    session.install(TORCH, f"megatron-core=={megatron_core}", "-e", ".[test]")
-
-
-def _upstream_schedule_tests(session: nox.Session, python: str) -> None:
-    """Megatron-Core's own schedule tests, stock and swapped, from the tag's exported tree."""
-    tag = UPSTREAM_TAG[python]
-    if session.posargs:
+def _start_prefetch_312(session: nox.Session) -> None:
+    """Download the 3.12 world's torch and megatron-core (with their dependencies) in the
+    background, while this session runs its tests; ``tests-3.12`` installs from them."""
+    global _prefetch
+    python = shutil.which("python3.12")
+    if _prefetch is not None or python is None or "tests-3.12" not in _selected():
         return
-    if not os.path.isdir(MEGATRON_LM_GIT):
-        session.warn(f"no Megatron-LM mirror at {MEGATRON_LM_GIT}: upstream schedule tests skipped")
-        return
-    tree = os.path.join(".nox", "megatron-lm", tag)
-    if not os.path.isdir(os.path.join(tree, "tests")):
-        os.makedirs(tree, exist_ok=True)
-        archive = subprocess.run(
-            ["git", f"--git-dir={MEGATRON_LM_GIT}", "archive", tag], check=True, capture_output=True
-        ).stdout
-        subprocess.run(["tar", "x", "-C", tree], input=archive, check=True)
-    session.install(*UPSTREAM_DEPS[python])
-    session.run(
-        "python", "-m", "pytest", "-q", "-rA", "tests/test_upstream_schedules.py",
-        env={"MEGATRON_LM_PATH": os.path.abspath(tree)},
+    os.makedirs(WHEELS_312, exist_ok=True)
+    log = open(os.path.join(WHEELS_312, "download.log"), "w")  # noqa: SIM115 (the child's)
+    _prefetch = subprocess.Popen(
+        [python, "-m", "pip", "download", "-q", "-d", WHEELS_312, TORCH,
+         f"megatron-core=={LATEST['3.12']}"],
+        stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    atexit.register(lambda: _prefetch.poll() is None and _prefetch.terminate())
+    session.log(f"downloading the 3.12 wheels in the background into {WHEELS_312}")
+
+
+def _selected() -> list[str]:
+    """The sessions this nox run was asked for (``-s``), or the default ones."""
+    argv = sys.argv[1:]
+    names = []
+    for flag in ("-s", "--session", "--sessions", "-e"):
+        while flag in argv:
+            i = argv.index(flag)
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("-"):
+                names.append(argv[j])
+                j += 1
+            argv = argv[:i] + argv[j:]
+    return names or list(nox.options.sessions)
+
+
+def _install(session: nox.Session, python: str, release: str | None = None) -> None:
+    megatron_core = f"megatron-core=={release or LATEST[python]}"
+    downloaded = python == "3.12" and bool(glob.glob(os.path.join(WHEELS_312, "torch-*.whl")))
+    if python == "3.12" and _prefetch is not None:
+        session.log("waiting for the background download of the 3.12 wheels")
+        downloaded = _prefetch.wait() == 0
+        if not downloaded:
+            session.warn(f"background download failed (see {WHEELS_312}/download.log)")
+    if downloaded:
+        session.install("--no-index", "--find-links", WHEELS_312, TORCH)
+    session.install(TORCH, megatron_core, "-e", ".[test]", *MEGATRON_LM_DEPS[python])
+
+
+def _pytest(session: nox.Session, *default: str) -> None:
+    """pytest, whose own summary line closes the output; fails when no test ran (pytest alone
+    exits 0 when every selected test skipped)."""
+    report = os.path.join(session.create_tmp(), "junit.xml")
+    session.run(
+        "python", "-m", "pytest", "-q", "-rs", "--durations=15", f"--junitxml={report}",
+        *(session.posargs or default),
+    )  # fmt: skip
+    suites = ElementTree.parse(report).getroot().iter("testsuite")
+    ran = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
+    if ran == 0:
+        session.error("no test ran")
+
+
+@nox.session(python="3.12", download_python="never")
+def lint(session: nox.Session) -> None:
+    """ruff, as ruff.toml says."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
-    """Whole suite on megatron-core 0.16.1."""
-    _install(session, LATEST["3.11"])
-    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests"]))
-    _upstream_schedule_tests(session, "3.11")
+    """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
+    _install(session, "3.11")
+    _start_prefetch_312(session)  # after this install, not beside it: both fetch and unpack
+    _pytest(session, *RELEASE_TESTS)
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
-    """Whole suite on megatron-core 0.19.2, then the release checks on 0.17.1 and 0.18.2."""
-    _install(session, LATEST["3.12"])
-    session.run("python", "-m", "pytest", "-q", *(session.posargs or ["tests"]))
-    for release in OLDER_312:
-        session.install(f"megatron-core=={release}")
-        session.run("python", "-m", "pytest", "-q", *(session.posargs or MATRIX_TESTS))
-    session.install(f"megatron-core=={LATEST['3.12']}")
-    _upstream_schedule_tests(session, "3.12")
+    """Whole suite on megatron-core 0.19.2, then Megatron Bridge."""
+    _install(session, "3.12")
+    _pytest(session, "tests")
+    if session.posargs:
+        return
     # Megatron Bridge last: Bridge 0.6 pins the 0.19 line, and the nvidia-resiliency-ext it
     # brings breaks a plain `import megatron.core` (the plugin's Bridge CPU shims hide it), so
     # nothing else runs in this virtualenv after it.
     session.run("bash", ".ci/install_bridge.sh", os.path.join(session.bin, "python"), external=True)
-    session.run("python", "-m", "pytest", "-q", "tests/test_bridge.py")
+    _pytest(session, "-m", "e2e", "tests/test_bridge.py")
+
+
+@nox.session(name="older-3.12", python="3.12", download_python="never", default=False)
+def older_312(session: nox.Session) -> None:
+    """What depends on the release, on megatron-core 0.17.1 and 0.18.2 (their Megatron-LM tags)."""
+    _install(session, "3.12", OLDER_312[0])
+    for release in OLDER_312:
+        session.install(f"megatron-core=={release}")
+        _pytest(session, *RELEASE_TESTS)

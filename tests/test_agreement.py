@@ -32,6 +32,8 @@ from megatron_lossfix.agreement import (
 )
 from megatron_lossfix.config import MODES
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 ONE_STAGE = SimpleNamespace(pp_size=1)
 

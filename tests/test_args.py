@@ -10,6 +10,8 @@ import pytest
 from megatron_lossfix import MODES, LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
 
+pytestmark = pytest.mark.unit
+
 FROZEN = {
     # flag: (dest, default, choices, nargs-or-type)
     "--loss-reduction": ("loss_reduction", None, MODES, "str"),

@@ -16,6 +16,7 @@ from megatron_lossfix.testing.oracle import layout_grads
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, want",
     [
@@ -29,12 +30,14 @@ def test_parse_layout(name, want):
     assert parse_layout(name) == want
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["dp2", "tp2-tp2-m1", "xx-m2", "dp0-m1", "vpp2-m4", "dp2-m3-"])
 def test_parse_layout_rejects(name):
     with pytest.raises(ValueError, match="bad layout"):
         parse_layout(name)
 
 
+@pytest.mark.unit
 def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         audit.main(["--modes", "token_mean,nope"])
@@ -50,6 +53,7 @@ def _run(pool, tmp_path, *flags, worker=layout_grads):
     return audit.main([*argv, "--no-progress", *flags], pool=pool, worker=worker)
 
 
+@pytest.mark.oracle
 def test_audit_passes_and_writes_outputs(dist_pool, tmp_path, capsys):
     assert _run(dist_pool, tmp_path) == 0
     report = json.loads((tmp_path / "audit.json").read_text())
@@ -91,6 +95,7 @@ def _double_scaled_layout_grads(*args, **kwargs):
         losses.weighted_loss = original
 
 
+@pytest.mark.oracle
 def test_audit_fails_on_double_scaled_loss(dist_pool, tmp_path, capsys):
     assert _run(dist_pool, tmp_path, "--no-plot", worker=_double_scaled_layout_grads) == 1
     report = json.loads((tmp_path / "audit.json").read_text())
@@ -103,6 +108,7 @@ def test_audit_fails_on_double_scaled_loss(dist_pool, tmp_path, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.oracle
 def test_audit_without_matplotlib_still_passes(dist_pool, tmp_path, monkeypatch, capsys):
     """The plain install (`pip install -e .`) has no matplotlib: the table, audit.json, a
     one-line note and exit 0, not an ImportError after the whole matrix."""
@@ -116,6 +122,7 @@ def test_audit_without_matplotlib_still_passes(dist_pool, tmp_path, monkeypatch,
     assert len(notes) == 1 and "audit.json" in notes[0], out
 
 
+@pytest.mark.e2e
 def test_module_entry_point(tmp_path):
     """`python -m megatron_lossfix audit` end to end, in its own pool (one rank)."""
     cmd = [sys.executable, "-m", "megatron_lossfix", "audit", "--layouts", "dp1-m2"]
@@ -128,6 +135,7 @@ def test_module_entry_point(tmp_path):
     assert (tmp_path / "audit.png").is_file()
 
 
+@pytest.mark.unit
 def test_module_help():
     done = subprocess.run(
         [sys.executable, "-m", "megatron_lossfix", "audit", "--help"],

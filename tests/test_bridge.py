@@ -42,6 +42,16 @@ LAYOUTS = {
     "tp2": (2, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"]),
     "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
+#: (layout, reduction) runs checked against 1 rank. sequence_mean counts sequences over DP and
+#: on the last pipeline stage, so it runs on DP2 and PP2; under TP2 every rank sees the same
+#: sequences (the gradient oracle covers TP x sequence_mean), so TP2 runs token_mean only.
+CHECKED = [
+    ("dp2", "token_mean"),
+    ("tp2", "token_mean"),
+    ("pp2", "token_mean"),
+    ("dp2", "sequence_mean"),
+    ("pp2", "sequence_mean"),
+]
 RTOL = 1e-6
 _LM_LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
 
@@ -83,9 +93,9 @@ def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) 
     return _RUNS[key]
 
 
+@pytest.mark.e2e
 @needs_bridge
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout, reduction", CHECKED)
 def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
     """Same loss, grad norm and token count on 2 ranks as on 1, at both iterations (the second
     after an optimizer step taken from the first step's gradient)."""
@@ -98,6 +108,7 @@ def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
         assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
 
 
+@pytest.mark.e2e
 @needs_bridge
 def test_stock_bridge_differs(tmp_path_factory):
     """Without the plugin, Bridge's gradient depends on how the step is cut into micro-batches:
@@ -115,9 +126,11 @@ def test_stock_bridge_differs(tmp_path_factory):
         assert _rel(record["loss"], record["lm_loss"]) < 0.2, record
 
 
+@pytest.mark.e2e
 @needs_bridge
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
-@pytest.mark.parametrize("layout", ["1rank", "dp2", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout, reduction", [("1rank", "token_mean"), ("1rank", "sequence_mean"), *CHECKED]
+)
 def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
     """Bridge's own ``lm loss`` (its loss dict, and its printed log line) is the step's L."""
     records, log = _run(layout, reduction, tmp_path_factory)
@@ -130,6 +143,7 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
         assert _rel(value, record["loss"]) <= RTOL, (value, record)
 
 
+@pytest.mark.e2e
 @needs_bridge
 def test_enable_disable_bridge_is_idempotent_and_reversible():
     """enable_bridge twice, then disable_bridge, leaves Bridge's own functions in place."""
@@ -161,6 +175,7 @@ print("OK")
 
 
 # ---------------------------------------------------------------------------------- packed batches
+@pytest.mark.unit
 def test_bridge_cu_seqlens_formats():
     """Bridge's packed (THD) boundaries, [1, n] with sentinels, become plain 1-D boundaries."""
     legacy = {"cu_seqlens": torch.tensor([[0, 3, 7, 10, -1, -1]])}
@@ -177,6 +192,7 @@ def test_bridge_cu_seqlens_formats():
         bridge_cu_seqlens({"cu_seqlens": torch.tensor([[0, 2], [0, 2]])})
 
 
+@pytest.mark.unit
 def test_packed_bridge_batch_counts_each_sequence():
     """sequence_mean over a packed Bridge row weighs each packed sequence like its own row."""
     from megatron_lossfix.reduction import count_tokens, segment_ids, weights_from_counts

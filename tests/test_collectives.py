@@ -40,6 +40,8 @@ from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 MODES = (*REDUCTIONS, "off")
 CASE = OracleCase(global_batch_size=8, seq_length=16)
 NUM_MICROBATCHES = 2

@@ -12,6 +12,8 @@ import torch
 from megatron_lossfix import REDUCTIONS, LossFixConfig, add_lossfix_args, from_args, loss_weights
 from megatron_lossfix.config import MODES
 
+pytestmark = pytest.mark.unit
+
 
 def test_modes_are_the_reductions_and_off():
     assert MODES == (*REDUCTIONS, "off")

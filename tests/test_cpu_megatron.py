@@ -22,6 +22,8 @@ from megatron_lossfix.testing.tiny_gpt import (
     set_deterministic_params,
 )
 
+pytestmark = pytest.mark.oracle
+
 SEED = 7
 VOCAB = 264
 SEQ_LEN = 16

@@ -17,6 +17,8 @@ from megatron_lossfix.datasets import (
     microbatches,
 )
 
+pytestmark = pytest.mark.unit
+
 TOK = ByteTokenizer()
 
 

@@ -43,6 +43,7 @@ COMMON = ["--train-iters", "3", "--global-batch-size", "12", "--seq-length", "64
 
 
 # sequence_mean through the example: test_pretrain_gpt_mtp_layouts_agree (PP2, MTP).
+@pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["token_mean", "off"])
 def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
     one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *COMMON,
@@ -60,6 +61,7 @@ def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
         assert loss_diff <= TOL and norm_diff <= TOL, (reduction, loss_diff, norm_diff, one, two)
 
 
+@pytest.mark.e2e
 def test_off_reports_stocks_own_loss(tmp_path):
     """One rank, one micro-batch: stock Megatron's loss is the token mean, so ``off``'s logged
     loss must equal ``token_mean``'s before the first update (Megatron scales the loss tensor in
@@ -72,6 +74,7 @@ def test_off_reports_stocks_own_loss(tmp_path):
     assert abs(off[0]["loss"] - exact[0]["loss"]) <= TOL * exact[0]["loss"], (off, exact)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout_args",
     [
@@ -152,6 +155,7 @@ def _one_line_error(scripts, capsys, monkeypatch, name: str, args: list[str], **
          "self-check-tolerance", "not-utf8", "norm-constant-0", "bad-jsonl", "gbs", "cp",
          "heads", "mode"],
 )  # fmt: skip
+@pytest.mark.unit
 def test_pretrain_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": oops}\n')
@@ -162,6 +166,7 @@ def test_pretrain_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_pat
     assert message in line, (message, line)
 
 
+@pytest.mark.unit
 def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
     """Every rank checks with torchrun's WORLD_SIZE; only global rank 0 prints, all exit 2."""
     args = ["--global-batch-size", "12", "--micro-batch-size", "4"]  # 12 % (2 x 4) != 0
@@ -174,6 +179,7 @@ def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -205,6 +211,7 @@ def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, a
     assert message in line, (message, line)
 
 
+@pytest.mark.e2e
 def test_torchrun_mistake_prints_one_line_for_all_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "examples" / "pretrain_gpt.py"), "--micro-batch-size", "0"]  # fmt: skip
@@ -238,6 +245,7 @@ def _expected_losses(records: list[dict], seq_length: int) -> dict:
     return out
 
 
+@pytest.mark.e2e
 def test_pretrain_logs_what_the_data_loses(tmp_path):
     records = [
         {"prompt": "P" * 200, "response": "never seen"},  # the prompt fills the window
@@ -270,6 +278,7 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
     assert "data: 10 samples over 2 iterations at --seq-length 64: 4 truncated" in proc.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["sequence_mean", "off"])
 def test_pretrain_gpt_mtp_layouts_agree(tmp_path, reduction):
     """Two MTP layers, one rank with one micro-batch against PP2 with 2-sequence micro-batches:

@@ -127,6 +127,7 @@ def _check(
 DTYPES = [pytest.param(False, id="fp32"), pytest.param(True, id="bf16")]
 
 
+@pytest.mark.oracle
 @needs_cuda
 @pytest.mark.parametrize("bf16", DTYPES)
 @pytest.mark.parametrize("objective", ["sft", "ppo"])
@@ -136,6 +137,7 @@ def test_oracle_one_gpu_microbatch_split(gpu_pool, objective, bf16):
     _check(gpu_pool, f"{objective} {'bf16' if bf16 else 'fp32'} 1 GPU m4", case, Layout(), 1, 4)
 
 
+@pytest.mark.oracle
 @needs_cuda
 @pytest.mark.parametrize("bf16", DTYPES)
 def test_oracle_one_gpu_per_token_loss(gpu_pool, bf16):
@@ -145,6 +147,7 @@ def test_oracle_one_gpu_per_token_loss(gpu_pool, bf16):
     _check(gpu_pool, name, case, Layout(), 1, 6, ("token_mean", "sum", "off"), off_exact=True)
 
 
+@pytest.mark.oracle
 @needs_cuda
 @pytest.mark.parametrize("bf16", DTYPES)
 def test_oracle_one_gpu_moe_alltoall_dispatcher(gpu_pool, bf16):
@@ -156,6 +159,7 @@ def test_oracle_one_gpu_moe_alltoall_dispatcher(gpu_pool, bf16):
     _check(gpu_pool, name, case, Layout(), 1, 4, ("token_mean", "sequence_mean", "off"))
 
 
+@pytest.mark.oracle
 @needs_cuda
 @pytest.mark.parametrize("bf16", DTYPES)
 @pytest.mark.parametrize("per_token", [False, True], ids=["mean-path", "per-token-path"])
@@ -169,6 +173,7 @@ def test_oracle_one_gpu_multi_token_prediction(gpu_pool, per_token, bf16):
     _check(gpu_pool, name, case, Layout(), 1, 4, modes)
 
 
+@pytest.mark.oracle
 @needs_cuda
 def test_oracle_one_gpu_native_fused_cross_entropy(gpu_pool):
     """GPTModel's fused vocab-parallel cross entropy (``cross_entropy_fusion_impl='native'``,
@@ -178,6 +183,7 @@ def test_oracle_one_gpu_native_fused_cross_entropy(gpu_pool):
     _check(gpu_pool, "fused-ce fp32 1 GPU m4", case, Layout(), 1, 4, ("token_mean", "off"))
 
 
+@pytest.mark.unit
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_logprob_kernel_on_cuda(dtype):
@@ -214,6 +220,7 @@ def test_logprob_kernel_on_cuda(dtype):
     assert rel(x.grad, ref_in.grad) <= tol
 
 
+@pytest.mark.e2e
 @needs_cuda
 def test_nccl_microbatch_split_is_invariant(tmp_path):
     """One GPU, NCCL: one micro-batch versus six."""
@@ -225,6 +232,7 @@ def test_nccl_microbatch_split_is_invariant(tmp_path):
     assert max_rel_diff(one, six, "grad_norm") <= TOL
 
 
+@pytest.mark.e2e
 @needs_two_gpus_and_te
 def test_context_parallel_with_transformer_engine_attention(tmp_path):
     te = ["--transformer-impl", "transformer_engine"]
@@ -258,6 +266,7 @@ def multi_gpu_pool() -> Iterator[DistPool]:
     pool.close()
 
 
+@pytest.mark.oracle
 @needs_two_gpus
 @pytest.mark.parametrize("bf16", DTYPES)
 @pytest.mark.parametrize("layout, world, m, model", MULTI_GPU_LAYOUTS)

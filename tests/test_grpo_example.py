@@ -70,6 +70,7 @@ def ppo_reference(rollouts, tmp_path_factory) -> list[dict]:
     return run_example(SCRIPT, 1, out, *common(rollouts), *PPO, "--micro-batch-size", "12")
 
 
+@pytest.mark.e2e
 def test_ppo_rollouts_layouts_agree(tmp_path, rollouts, ppo_reference):
     """DP=2 with 3 micro-batches per rank against one rank with one micro-batch; the RL
     statistics agree too."""
@@ -92,6 +93,7 @@ def test_ppo_rollouts_layouts_agree(tmp_path, rollouts, ppo_reference):
     assert all(r["ratio_min"] < 1 < r["ratio_max"] for r in one)
 
 
+@pytest.mark.e2e
 def test_ppo_rollouts_stock_megatron_disagrees(tmp_path, rollouts, ppo_reference):
     """With the plugin off, the 2-rank, 3-micro-batch run averages per micro-batch. (With one
     micro-batch on one rank, off and token_mean are the same computation.)"""
@@ -114,6 +116,7 @@ def gspo_reference(rollouts, tmp_path_factory) -> list[dict]:
     return run_example(SCRIPT, 1, out, *common(rollouts), *GSPO, "--micro-batch-size", "12")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout_args",
     [
@@ -138,6 +141,7 @@ SAMPLING = ["--train-iters", "3", "--prompts-per-step", "3", "--num-generations"
             "--kl-coef", "0.05"]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_sampling_mode_runs_and_is_layout_free(tmp_path):
     """Sample -> reward -> GRPO advantages -> update, with the KL reference model, on 2 DP ranks
     (prompt groups of 4 straddle their slices of 6) and on 1: rewards are fractions in [0, 1],
@@ -171,6 +175,7 @@ def grpo():
     return module
 
 
+@pytest.mark.unit
 def test_encode_rollouts_puts_response_tokens_under_the_mask(grpo):
     records = [
         {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "advantage": 0.5,
@@ -206,6 +211,7 @@ def test_encode_rollouts_puts_response_tokens_under_the_mask(grpo):
     ],
     ids=["missing-ref", "logprob-length", "too-long", "empty-prompt", "bad-id", "bad-advantage"],
 )  # fmt: skip
+@pytest.mark.unit
 def test_load_rollouts_rejects_bad_records(grpo, tmp_path, record, kwargs, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(record) + "\n")
@@ -214,6 +220,7 @@ def test_load_rollouts_rejects_bad_records(grpo, tmp_path, record, kwargs, messa
     assert "line 1" in str(info.value)
 
 
+@pytest.mark.unit
 def test_sampling_flags_are_checked(grpo):
     args = grpo.parse_args(["--prompts-per-step", "3", "--num-generations", "4"])
     assert args.global_batch_size == 12
@@ -226,6 +233,7 @@ def test_sampling_flags_are_checked(grpo):
             grpo.parse_args(bad)
 
 
+@pytest.mark.unit
 def test_task_reward_counts_class_bytes_and_penalizes_early_stop(grpo):
     digits = frozenset(b"0123456789")
     assert grpo.task_reward(list(b"12a4"), digits, 257, 4) == 0.75

@@ -12,6 +12,8 @@ from megatron_lossfix.testing.matrix import check_layout
 from megatron_lossfix.testing.oracle import OracleCase, relative_error
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 TOL = 1e-5
 MODES = (*REDUCTIONS, "off")
 NO_ATTENTION = {"no_attention": True}

@@ -21,6 +21,8 @@ from megatron_lossfix.testing.matrix import (
 )
 from megatron_lossfix.testing.oracle import OracleCase
 
+pytestmark = pytest.mark.oracle
+
 TOL = 1e-5
 MODES = (*REDUCTIONS, "off")
 CASE = OracleCase()

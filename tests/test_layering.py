@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = "megatron_lossfix"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 

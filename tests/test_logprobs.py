@@ -61,6 +61,7 @@ def kernel(logits, target, g_logp, g_ent, **kw):
     return logp, ent, grad
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 13)], ids=str)
 @pytest.mark.parametrize("vocab", [1, 11, 97])
@@ -78,6 +79,7 @@ def test_matches_reference(dtype, shape, vocab, chunk_size):
     assert_close(grad, r_grad, tol["grad"], f"d logits [{tag}]")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("which", ["logp", "entropy"])
 def test_single_output_gradient(which):
     # The other output's gradient arrives as None in backward; it must count as zero.
@@ -92,6 +94,7 @@ def test_single_output_gradient(which):
     assert_close(grad, r_grad, TOL[torch.float32]["grad"], f"d logits via {which} only")
 
 
+@pytest.mark.unit
 def test_gradcheck_fp64():
     logits, target, _, _ = make_case((2, 5), 13, torch.float64, seed=2)
     x = logits.requires_grad_(True)
@@ -100,6 +103,7 @@ def test_gradcheck_fp64():
     )
 
 
+@pytest.mark.unit
 def test_peaked_and_flat_distributions():
     # Huge logits: p_t -> 1 (logp -> 0, the target gradient 1 - p_t must not cancel to junk) and
     # p -> one-hot elsewhere; constant logits: maximal entropy log V.
@@ -112,6 +116,7 @@ def test_peaked_and_flat_distributions():
         assert_close(grad, r_grad, (1e-5, 1e-5), "d logits (extreme)")
 
 
+@pytest.mark.unit
 def test_non_contiguous_logits_and_leading_dims():
     # Megatron's logits are [s, b, V]; a transposed view must work and give the same result.
     logits, target, g_l, g_h = make_case((7, 3), 19, torch.float32, seed=4)
@@ -123,6 +128,7 @@ def test_non_contiguous_logits_and_leading_dims():
         assert_close(g, w, (2e-5, 1e-5), f"{what} (non-contiguous)")
 
 
+@pytest.mark.unit
 def test_out_of_vocab_targets_stay_finite():
     # Masked positions often carry -100; the kernel must not index out of bounds or make NaN.
     logits, target, g_l, g_h = make_case((3, 5), 17, torch.float32, seed=5)
@@ -136,6 +142,7 @@ def test_out_of_vocab_targets_stay_finite():
     assert_close(ent, r_ent, (2e-5, 1e-5), "entropy with invalid targets")
 
 
+@pytest.mark.unit
 def test_value_errors():
     x = torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match="plus a vocab dim"):
@@ -180,6 +187,7 @@ def tp_results(dist_pool):
     return [tuple(rank_res[i] for rank_res in per_rank) for i in range(len(TP_CASES))]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("case_idx", range(len(TP_CASES)))
 def test_tensor_parallel_matches_single_rank(tp_results, case_idx):
     shape, vocab, dtype, chunk, seed = TP_CASES[case_idx]

@@ -26,6 +26,8 @@ from megatron_lossfix.testing.oracle import (
 )
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 TOL = 1e-5
 RANK = 4
 CASE = OracleCase(model_kwargs={"lora_rank": RANK})

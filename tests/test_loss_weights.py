@@ -9,6 +9,8 @@ import torch
 
 from megatron_lossfix import REDUCTIONS, loss_weights
 
+pytestmark = pytest.mark.unit
+
 
 def _loss(weights, losses):
     return sum(float((w * x).sum()) for w, x in zip(weights, losses, strict=True))

@@ -15,6 +15,8 @@ import torch
 
 from megatron_lossfix.losses import weighted_loss, weighted_sum
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(1, 1), (3, 7), (5, 13), (2, 1)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 

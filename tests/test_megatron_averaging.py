@@ -26,6 +26,8 @@ from packaging.version import Version
 from megatron_lossfix import megatron_compat
 from megatron_lossfix.testing.tiny_gpt import Layout, init_layout
 
+pytestmark = pytest.mark.oracle
+
 
 def _calc_loss(outputs: tuple, *, per_token: bool, cp: int, num_microbatches: int) -> float:
     from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss

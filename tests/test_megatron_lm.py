@@ -1,16 +1,17 @@
 """Unit tests of ``megatron_lossfix.megatron_lm``, the code our Megatron-LM patch calls.
 
-Without a checkout: flag composition, the refusals, the forward-step wrapper and the
-``[contribution, indicator]`` report that makes Megatron-LM log the global loss. With
-``MEGATRON_LM_PATH`` set to Megatron-LM checkouts (any supported tag, or main), the patched
-``pretrain_gpt.py`` trains on CPU under several layouts: with ``--loss-reduction token_mean``
+Unit tests (no Megatron-LM): flag composition, the refusals, the forward-step wrapper and the
+``[contribution, indicator]`` report that makes Megatron-LM log the global loss.
+
+End to end, with ``MEGATRON_LM_ARCHIVES`` naming a folder of Megatron-LM source archives: the
+patched ``pretrain_gpt.py`` of the installed megatron-core's release tag (or of the tags in
+``MEGATRON_LM_TAGS``) trains on CPU under several layouts: with ``--loss-reduction token_mean``
 loss and grad norm agree across them, stock they do not.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch
 from test_examples import max_rel_diff
 
+from megatron_lossfix import patches
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_lm import (
     LOSS_KEY,
@@ -27,6 +29,12 @@ from megatron_lossfix.megatron_lm import (
     wrap_forward_backward_func,
 )
 from megatron_lossfix.schedule import StepGroups
+from megatron_lossfix.testing.megatron_lm_run import (
+    archives_folder,
+    skip_reason,
+    tags_to_test,
+    unpack_tag,
+)
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 
@@ -37,6 +45,7 @@ def _megatron_like_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@pytest.mark.unit
 def test_args_provider_composes_with_an_existing_provider() -> None:
     def modelopt_like(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--export-te-mcore-model", action="store_true")
@@ -55,6 +64,7 @@ def test_args_provider_composes_with_an_existing_provider() -> None:
         assert "loss_reduction" in vars(args) and args.loss_reduction is None
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default")
 def test_gloo_is_the_default_backend_without_cuda() -> None:
     args = add_args_provider()(_megatron_like_parser()).parse_args([])
@@ -67,6 +77,7 @@ def _args(**kw: object) -> argparse.Namespace:
     )
 
 
+@pytest.mark.unit
 def test_wrap_forward_backward_func() -> None:
     def stock(**kwargs: object) -> list:
         return []
@@ -93,6 +104,7 @@ def _wrapper(reduction: str = "token_mean") -> MegatronLMLossFix:
     return MegatronLMLossFix(LossFixConfig(reduction=reduction), lambda **kw: [])
 
 
+@pytest.mark.unit
 def test_report_counts_one_once_per_step() -> None:
     wrapper = _wrapper()
     wrapper._indicator_pending = True
@@ -109,6 +121,7 @@ def test_report_counts_one_once_per_step() -> None:
     assert float(total[0] / total[1]) == pytest.approx(3 * 2.75)
 
 
+@pytest.mark.unit
 def test_report_in_streaming_mode_is_megatron_lms_own() -> None:
     wrapper = _wrapper()
     wrapper._streaming = True  # per-token token_mean: the weights are the mask
@@ -117,6 +130,7 @@ def test_report_in_streaming_mode_is_megatron_lms_own() -> None:
     assert report[LOSS_KEY].tolist() == [8.0, 2.0]
 
 
+@pytest.mark.unit
 def test_loss_shapes() -> None:
     wrapper = _wrapper()
     weights = torch.ones(2, 3)
@@ -126,6 +140,7 @@ def test_loss_shapes() -> None:
         wrapper._loss(weights, torch.ones(5))
 
 
+@pytest.mark.unit
 def test_forward_step_hands_the_weights_to_the_loss_function() -> None:
     wrapper = _wrapper()
     weights = torch.tensor([[0.5, 0.5]])
@@ -155,6 +170,7 @@ def test_forward_step_hands_the_weights_to_the_loss_function() -> None:
     assert loss(output)[0] == 6.0 and seen["lossfix"] is None
 
 
+@pytest.mark.unit
 def test_unpatched_loss_function_is_refused_clearly() -> None:
     def forward_step(data_iterator, model):
         next(data_iterator)
@@ -167,11 +183,12 @@ def test_unpatched_loss_function_is_refused_clearly() -> None:
 
 
 # ------------------------------------------------------------ the patched pretrain_gpt.py, for real
-#: Checkouts of Megatron-LM to train with (``os.pathsep``-separated; each needs this
-#: interpreter's megatron-core world and Megatron-LM's training extras, see the README).
-CHECKOUTS = [p for p in os.environ.get("MEGATRON_LM_PATH", "").split(os.pathsep) if p]
+#: Megatron-LM tags to train with (each needs Megatron-LM's training extras, see the README).
+ARCHIVES = archives_folder()
+TAGS = tags_to_test(ARCHIVES) if ARCHIVES else []
 needs_megatron_lm = pytest.mark.skipif(
-    not CHECKOUTS, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1 to main)"
+    not TAGS,
+    reason=skip_reason(ARCHIVES),
 )
 #: layout -> (ranks, micro-batch size, flags), against 1 rank x 8 micro-batches of 1 sequence.
 LAYOUTS = {
@@ -185,7 +202,7 @@ LAYOUTS = {
 #: loading the shared initial checkpoint, before training (not investigated); the MTP
 #: normalization itself is proven by tests/test_mtp.py and the examples.
 MODELS = {"dense": []}
-ITERS = 3
+ITERS = 2
 REL = 1e-6
 
 
@@ -199,12 +216,11 @@ class _Runs:
         self._attempts = 0
 
     def copy(self, checkout: str, model: str) -> tuple[Path, int, str, list[str]]:
-        """The patched copy of ``checkout``, its EOD id, the prefix of its masked data and the
-        flags that load the initial weights every layout of ``model`` starts from."""
+        """The patched tree of tag ``checkout``, its EOD id, the prefix of its masked data and
+        the flags that load the initial weights every layout of ``model`` starts from."""
         if (checkout, model) not in self.copies:
             from megatron_lossfix.testing.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
-                patched_copy,
                 save_initial_checkpoint,
                 tiny_gpt_args,
                 write_padded_dataset,
@@ -212,7 +228,8 @@ class _Runs:
 
             n = self._attempts  # a fresh folder per attempt: a failed one leaves its own behind
             self._attempts += 1
-            copy = patched_copy(checkout, self.root / f"megatron-lm-{n}")
+            copy = unpack_tag(ARCHIVES, checkout, self.root / f"megatron-lm-{n}")
+            patches.apply(copy)
             eod = checkout_null_tokenizer_eod(copy)
             data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
             args = tiny_gpt_args(micro_batch_size=1, data_path=data, eod=eod) + MODELS[model]
@@ -251,16 +268,17 @@ def lm_runs(tmp_path_factory: pytest.TempPathFactory) -> _Runs:
     return _Runs(tmp_path_factory.mktemp("megatron-lm-runs"))
 
 
+@pytest.mark.e2e
 @needs_megatron_lm
-@pytest.mark.parametrize("checkout", CHECKOUTS, ids=lambda p: Path(p).name)
+@pytest.mark.parametrize("checkout", TAGS or ["none"])
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_patched_pretrain_gpt_is_layout_invariant(
-    lm_runs: _Runs, checkout: str, layout: str, model: str
+    lm_runs: _Runs, checkout: str, layout: str, model: str, report_figure
 ):
     """1 rank x 8 micro-batches vs micro-batch 4 (with the runtime self-check), DP2, TP2, PP2 on
     data where about half the tokens are masked, every run starting from the same initial
-    weights, for a dense model and one with 2 MTP layers (whose gradient the grad norm covers):
+    weights, for each model of ``MODELS``:
     with ``--loss-reduction token_mean`` the loss and the grad norm of every iteration agree to
     1e-6; stock Megatron-LM's do not."""
     reference = lm_runs.get(checkout, "mb1", "fix", model)
@@ -279,8 +297,8 @@ def test_patched_pretrain_gpt_is_layout_invariant(
     stock = lm_runs.get(checkout, layout, "stock", model)
     assert stock[0]["grad_norm"] != pytest.approx(reference[0]["grad_norm"], rel=1e-2)
     stock_diff = max(max_rel_diff(reference, stock, k) for k in ("lm_loss", "grad_norm"))
-    print(f"{Path(checkout).name} {model} {layout}: token_mean max rel diff {fix_diff:.1e}, "
-          f"stock {stock_diff:.1e}")  # fmt: skip
+    report_figure(f"Megatron-LM {checkout} {model} {layout}: token_mean max rel diff "
+                  f"{fix_diff:.1e}, stock {stock_diff:.1e}")  # fmt: skip
 
 
 @pytest.mark.unit
@@ -375,14 +393,14 @@ VALIDATION_RUNS = (*(("sequence_mean", layout) for layout in EVAL_LAYOUTS), ("st
 
 @needs_megatron_lm
 @pytest.mark.e2e
-@pytest.mark.parametrize("checkout", CHECKOUTS, ids=lambda p: Path(p).name)
-def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str):
+@pytest.mark.parametrize("checkout", TAGS or ["none"])
+def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str, report_figure):
     """Megatron-LM's evaluate() with --loss-reduction sequence_mean is routed through the
     plugin: the same value under micro-batch 1, 4 and DP2, and the sequence mean, not the token
     mean that stock evaluate() pools from [loss, tokens] (measured for every mode in the
     README)."""
     got = {run: _validation_losses(lm_runs, checkout, run[1], run[0]) for run in VALIDATION_RUNS}
-    print(f"{Path(checkout).name} validation losses: {got}")
+    report_figure(f"Megatron-LM {checkout} validation losses: {got}")
     reference = got["sequence_mean", "mb1"]
     for layout in EVAL_LAYOUTS:
         assert got["sequence_mean", layout] == pytest.approx(reference, rel=REL), (layout, got)

@@ -24,6 +24,8 @@ from megatron_lossfix.metrics import (
     stock_contributions,
 )
 
+pytestmark = pytest.mark.unit
+
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 # Micro-batch masks of odd shapes; one holds no loss token, one row of another is empty.
 MASK_SHAPES = [(3, 7), (1, 5), (2, 1), (4, 3)]

@@ -24,6 +24,8 @@ from megatron_lossfix.testing.matrix import check_layout
 from megatron_lossfix.testing.oracle import OracleCase
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 TOL = 1e-5
 MODES = (*REDUCTIONS, "off")
 #: Learned absolute positions would need their gradient summed over pipeline stages (the last

@@ -4,15 +4,14 @@ Without a Megatron-LM checkout, the tool's logic runs on a tiny synthetic tree w
 patch (no Megatron-LM code is copied here): state detection, idempotent apply and revert, refusal
 of wrong targets, version selection, both backends (git, patch). Every patch of the repository
 is then applied to a tree rebuilt from its own hunks (the lines it expects, at the places it
-expects them) and reverted, and each release series must choose its own patch. With a git
-clone of NVIDIA/Megatron-LM (``MEGATRON_LM_GIT``, the tags and main), the files of each tag are
-patched and reverted the same way. With ``MEGATRON_LM_PATH`` set to a checkout, the real patch
-is applied to a copy and reverted; ``tests/test_megatron_lm.py`` trains with it.
+expects them) and reverted, and each release series must choose its own patch. With a
+folder of Megatron-LM source archives (``MEGATRON_LM_ARCHIVES``: the tags and main), each tag's
+real tree is patched and reverted the same way, and a patched copy leaves its source alone;
+``tests/test_megatron_lm.py`` trains with it.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 
 from megatron_lossfix import patches
 from megatron_lossfix.patches import PatchError, State
+from megatron_lossfix.testing.megatron_lm_run import NEEDS_ARCHIVES, archives_folder, unpack_tag
 
 ORIGINAL = "def greet():\n    return 'hello'\n\n\nprint(greet())\n"
 PATCHED = "def greet():\n    return 'hello, world'\n\n\nprint(greet())\n"
@@ -42,6 +42,8 @@ SYNTHETIC_PATCH = "\n".join(
         "",
     ]
 )
+
+pytestmark = pytest.mark.unit
 
 BACKENDS = [b for b in ("git", "patch") if shutil.which(b)]
 
@@ -283,13 +285,7 @@ def test_release_series_and_development_branch_selection(tmp_path: Path) -> None
     assert patches.select_patch(tree, "0.18.2")[1] is State.CONFLICT
 
 
-# --------------------------------------------------------------- the tags, from a Megatron-LM clone
-def _megatron_lm_git() -> str | None:
-    """A git directory holding NVIDIA/Megatron-LM's tags (``MEGATRON_LM_GIT``)."""
-    path = os.environ.get("MEGATRON_LM_GIT")
-    return path if path and shutil.which("git") else None
-
-
+# ------------------------------------------------------- the tags, from Megatron-LM source archives
 #: Megatron-LM ref -> the patch ``patches check`` must choose for it.
 TAG_PATCHES = {
     "core_v0.16.1": "megatron_lm_core_v0.16.1",
@@ -298,41 +294,35 @@ TAG_PATCHES = {
     "core_v0.19.0": "megatron_lm_core_v0.19.0",
     "main": "megatron_lm_main",
 }
+ARCHIVES = archives_folder()
+needs_archives = pytest.mark.skipif(ARCHIVES is None, reason=NEEDS_ARCHIVES)
 
 
-@pytest.mark.skipif(not _megatron_lm_git(), reason="set MEGATRON_LM_GIT to a Megatron-LM clone")
+@needs_archives
 @pytest.mark.parametrize("ref", TAG_PATCHES)
 def test_tag_chooses_its_patch_and_round_trips(tmp_path: Path, ref: str) -> None:
-    tree = tmp_path / ref
-    for name in (*patches._MARKERS, "pretrain_gpt.py", "megatron/training/training.py"):
-        text = subprocess.run(
-            ["git", "--git-dir", _megatron_lm_git(), "show", f"{ref}:{name}"],
-            check=True, capture_output=True,
-        ).stdout  # fmt: skip
-        (tree / name).parent.mkdir(parents=True, exist_ok=True)
-        (tree / name).write_bytes(text)
+    """Each ref's real tree (unpacked from its archive): the right patch is chosen, applies,
+    checks as applied, is idempotent, and reverts to the exact original files."""
+    tree = unpack_tag(ARCHIVES, ref, tmp_path)
     pristine = {p: p.read_bytes() for p in tree.rglob("*.py")}
     chosen, state, note = patches.select_patch(tree)
     assert (chosen.name, state) == (TAG_PATCHES[ref], State.NOT_APPLIED), note
     assert patches.main(["apply", str(tree)]) == 0
     assert patches.main(["check", str(tree)]) == 0
     assert "already applied" in patches.apply(tree)
+    assert "[megatron_lossfix]" in (tree / "pretrain_gpt.py").read_text()
     assert patches.main(["revert", str(tree)]) == 0
+    assert patches.check(tree) is State.NOT_APPLIED
     assert {p: p.read_bytes() for p in tree.rglob("*.py")} == pristine
 
 
-# ---------------------------------------------------------------------------------- real checkout
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-needs_megatron_lm = pytest.mark.skipif(
-    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout"
-)
-
-
-@needs_megatron_lm
-def test_real_checkout_apply_revert_cycle(tmp_path: Path) -> None:
+@needs_archives
+def test_patched_copy_leaves_the_source_tree_alone(tmp_path: Path) -> None:
     from megatron_lossfix.testing.megatron_lm_run import patched_copy
 
-    copy = patched_copy(MEGATRON_LM_PATH, tmp_path / "Megatron-LM")
+    source = unpack_tag(ARCHIVES, "core_v0.16.1", tmp_path / "source")
+    before = {p: p.read_bytes() for p in source.rglob("*.py")}
+    copy = patched_copy(source, tmp_path / "Megatron-LM")
     files = {f: (copy / f).read_text() for f in patches.select_patch(copy)[0].files}
     assert patches.check(copy) is State.APPLIED
     assert "already applied" in patches.apply(copy)
@@ -341,3 +331,4 @@ def test_real_checkout_apply_revert_cycle(tmp_path: Path) -> None:
     assert "[megatron_lossfix]" not in (copy / "pretrain_gpt.py").read_text()
     patches.apply(copy)
     assert {f: (copy / f).read_text() for f in files} == files
+    assert {p: p.read_bytes() for p in source.rglob("*.py")} == before

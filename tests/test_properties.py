@@ -19,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_lossfix import REDUCTIONS, loss_weights
 from megatron_lossfix.reduction import count_tokens, weights_from_counts
+
+pytestmark = pytest.mark.unit
 
 INVARIANT_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum")
 NORM_CONSTANT = 7.0

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.oracle
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT.joinpath("README.md").read_text()
 

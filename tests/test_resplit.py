@@ -7,6 +7,8 @@ import torch
 
 from megatron_lossfix.resplit import ResplitPlan, resplit, resplit_plan
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "m, mbs, kwargs, want",

@@ -9,6 +9,8 @@ from megatron_lossfix.testing.matrix import check_layout
 from megatron_lossfix.testing.oracle import OracleCase, layout_grads
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 TOL = 1e-5
 MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "off")
 LAYOUTS = [

@@ -174,6 +174,7 @@ def ref_grpo(rewards, groups, scale_by_std, eps):
 # PPO.
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dual_clip_c", [None, DUAL_C])
@@ -196,6 +197,7 @@ def test_ppo_matches_reference(dtype, shape, dual_clip_c, per_seq_adv):
     assert_close(g, gr, tol["grad"], f"d sum(w*ppo)/d logp [{tag}]")
 
 
+@pytest.mark.unit
 def test_ppo_covers_every_branch():
     # Guard the test data itself: the parametrized cases must exercise every clip branch.
     logp, old, adv, _, _ = make_inputs((5, 13), torch.float64, seed=18)
@@ -216,6 +218,7 @@ def seq_constant_weights(mask, mode):
     return mask / mask.sum().clamp(min=1)  # token_mean
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("mode", ["sequence_mean", "token_mean"])
@@ -245,6 +248,7 @@ def test_gspo_matches_sequence_level_reference(dtype, shape, mode, eps):
         assert_close(ind[name][mask], want_ind[mask], (0, 0), f"gspo {name} [{tag}]")
 
 
+@pytest.mark.unit
 def test_gspo_zero_token_sequences_and_garbage_padding():
     logp, old, adv, mask, w = make_inputs((3, 7), torch.float32, seed=3, per_seq_adv=True)
     mask[:] = False
@@ -283,6 +287,7 @@ def _cp_rank_result():
     return local, grad_of(local, x), ind["ratio"]
 
 
+@pytest.mark.oracle
 def test_gspo_context_parallel_matches_unsplit(dist_pool):
     parts = dist_pool.run(_cp_rank_result, CP)
     logp, old, adv, mask, w = _cp_case()
@@ -300,6 +305,7 @@ def test_gspo_context_parallel_matches_unsplit(dist_pool):
 # KL.
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -324,6 +330,7 @@ def test_kl_matches_reference(dtype, shape, kind):
 # The combined objective and its stats.
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
@@ -407,6 +414,7 @@ def test_rl_objective_matches_reference(dtype, shape, policy_loss):
         assert_close(value, want[name], (1e-4, 1e-5), f"stat {name} [{tag}]")
 
 
+@pytest.mark.unit
 def test_rl_objective_all_masked_is_zero_without_nan():
     logp, old, adv, _, _ = make_inputs((3, 7), torch.float32, seed=2)
     mask = torch.zeros(3, 7, dtype=torch.bool)
@@ -428,6 +436,7 @@ def test_rl_objective_all_masked_is_zero_without_nan():
         assert stats["ratio_max"] == -math.inf and stats["pg_loss_sum"] == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rl_loss_is_rl_objective_on_the_logits(temperature):
     """The Megatron loss_func: log-probs and entropy of softmax(logits / T) at the labels (plain
@@ -475,6 +484,7 @@ def test_rl_loss_is_rl_objective_on_the_logits(temperature):
 # GRPO advantages and Tinker-style advantage scaling.
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scale_by_std", [True, False])
 @pytest.mark.parametrize("group_size", [1, 2, 3, 6])
 def test_grpo_group_size_matches_reference(scale_by_std, group_size):
@@ -485,6 +495,7 @@ def test_grpo_group_size_matches_reference(scale_by_std, group_size):
     assert_close(got, want, (1e-5, 1e-5), f"grpo group_size={group_size} std={scale_by_std}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scale_by_std", [True, False])
 def test_grpo_group_ids_matches_reference(scale_by_std):
     gen = torch.Generator().manual_seed(0)
@@ -504,11 +515,13 @@ def test_grpo_group_ids_matches_reference(scale_by_std):
     )
 
 
+@pytest.mark.unit
 def test_grpo_constant_group_gives_zero_not_nan():
     got = grpo_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0]), 3)
     assert torch.isfinite(got).all() and (got[:3] == 0).all()
 
 
+@pytest.mark.unit
 @settings(max_examples=40, deadline=None)
 @given(
     rewards=st.lists(st.floats(-10, 10, allow_nan=False), min_size=1, max_size=4).flatmap(
@@ -523,6 +536,7 @@ def test_grpo_property_zero_mean_per_group(rewards):
         assert adv.sum(-1).abs().max() < 1e-6 * (1 + r.abs().max())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("per_seq_adv", [False, True])
 def test_scale_advantages_equivalence(shape, per_seq_adv):
@@ -543,6 +557,7 @@ def test_scale_advantages_equivalence(shape, per_seq_adv):
 # Every ValueError.
 
 
+@pytest.mark.unit
 def test_value_errors():
     lp = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)

@@ -14,6 +14,8 @@ from megatron_lossfix import LossFixConfig, weighted_loss, weighted_sum
 from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
 from megatron_lossfix.testing.tiny_gpt import Layout
 
+pytestmark = pytest.mark.oracle
+
 
 def _forward_step(loss_variant, data_iterator, model):
     batch = next(data_iterator)

@@ -28,6 +28,7 @@ class _FakeSchedule:
         return ["ok"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("reduction", ["off", "token_mean_legacy"])
 def test_split_dependent_modes_are_skipped(reduction):
     inner = _FakeSchedule(reduction)
@@ -38,6 +39,7 @@ def test_split_dependent_modes_are_skipped(reduction):
     assert checker.config.reduction == reduction  # the wrapped schedule's attributes pass through
 
 
+@pytest.mark.unit
 def test_with_self_check_from_flags():
     parser = add_lossfix_args(argparse.ArgumentParser())
     inner = _FakeSchedule("token_mean")
@@ -259,6 +261,7 @@ PASSING = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "name, layout, world, m, options, plan", PASSING, ids=[row[0] for row in PASSING]
 )
@@ -282,6 +285,7 @@ FAILING = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("name, layout, world, m, options", FAILING, ids=[r[0] for r in FAILING])
 def test_self_check_catches_split_dependent_losses(dist_pool, name, layout, world, m, options):
     results = dist_pool.run(_check_on_rank, world, layout, m, **options)

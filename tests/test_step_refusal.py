@@ -16,6 +16,8 @@ import pytest
 
 from megatron_lossfix.testing.refusal import refusal_case
 
+pytestmark = pytest.mark.oracle
+
 HOLD_S = 60.0
 LIMIT_S = 20.0  # generous for a loaded 2-core machine; a refusal takes well under a second
 

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.oracle
+
 # name -> (tp, pp, vpp, what the loss stage reads, forward_only)
 SCENARIOS = {
     "no-pipelining-range-never-read": (2, 1, None, "range", True),

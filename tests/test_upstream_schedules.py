@@ -1,8 +1,9 @@
 """Megatron-Core's own pipeline-schedule unit tests, stock and with the plugin swapped in.
 
-Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; any supported tag), pytest-mock, and for
-tags >= 0.19 Megatron-LM's training dependencies (its ``test_utilities`` imports
-``megatron.training``); skips without them. Runs the checkout's
+Needs ``MEGATRON_LM_ARCHIVES`` (a folder of Megatron-LM source archives; the tag of the
+installed megatron-core's release series is unpacked, or those of ``MEGATRON_LM_TAGS``),
+pytest-mock, and for tags >= 0.19 Megatron-LM's training dependencies (its ``test_utilities``
+imports ``megatron.training``); skips without them. Runs the tree's
 ``tests/unit_tests/pipeline_parallel/test_schedules.py`` under torchrun with 8 ranks on gloo
 through :mod:`megatron_lossfix.testing.upstream_schedules`, once stock and once with
 ``LossFixSchedule(LossFixConfig(reduction="off"), forward_backward_func=<stock>)`` in place of
@@ -21,11 +22,23 @@ from pathlib import Path
 
 import pytest
 
-CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+from megatron_lossfix.testing.megatron_lm_run import (
+    archives_folder,
+    skip_reason,
+    tags_to_test,
+    unpack_tag,
+)
+
+ARCHIVES = archives_folder()
+TAGS = tags_to_test(ARCHIVES) if ARCHIVES else []
 TEST_FILE = "tests/unit_tests/pipeline_parallel/test_schedules.py"
 
 pytestmark = [
-    pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_PATH (a Megatron-LM checkout) not set"),
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not TAGS,
+        reason=skip_reason(ARCHIVES),
+    ),
     pytest.mark.skipif(importlib.util.find_spec("pytest_mock") is None, reason="needs pytest-mock"),
 ]
 
@@ -38,7 +51,7 @@ _PORTS = iter(range(29531, 29600))
 DESELECT = "not custom_pgs"
 
 
-def _run(swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
+def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
     """``test id -> outcomes seen on the 8 ranks`` for one torchrun of the upstream file (or
     of one of its tests)."""
     env = {
@@ -56,7 +69,7 @@ def _run(swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
         "-p", "megatron_lossfix.testing.upstream_schedules", "-k", DESELECT, test,
     ]  # fmt: skip
     out = subprocess.run(
-        cmd, cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=1800
+        cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800
     ).stdout
     outcomes: dict[str, set[str]] = {}
     for kind, name in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", out, re.M):
@@ -68,10 +81,12 @@ def _differing(stock: dict, swapped: dict) -> list[str]:
     return sorted(t for t in stock.keys() | swapped.keys() if stock.get(t) != swapped.get(t))
 
 
-def test_megatron_schedule_tests_pass_alike_stock_and_swapped():
-    if not (Path(CHECKOUT) / TEST_FILE).exists():
-        pytest.skip(f"{TEST_FILE} not in {CHECKOUT}")
-    stock, swapped = _run("stock"), _run("off")
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_megatron_schedule_tests_pass_alike_stock_and_swapped(tag, tmp_path, report_figure):
+    checkout = unpack_tag(ARCHIVES, tag, tmp_path)
+    if not (checkout / TEST_FILE).exists():
+        pytest.skip(f"{TEST_FILE} not in {tag}")
+    stock, swapped = _run(checkout, "stock"), _run(checkout, "off")
     assert any(o == {"PASSED"} for o in stock.values()), f"stock passed nothing: {stock}"
     # Should a gloo deadlock still strike (see DESELECT), the test that hit the timeout leaves
     # the tests after it failing too: a test whose outcome differs is run again alone, both ways.
@@ -79,12 +94,14 @@ def test_megatron_schedule_tests_pass_alike_stock_and_swapped():
     for _ in range(2):
         differ = _differing(stock, swapped)
         for test in differ:
-            stock.update(_run("stock", test))
-            swapped.update(_run("off", test))
+            stock.update(_run(checkout, "stock", test))
+            swapped.update(_run(checkout, "off", test))
         retried += differ
     assert swapped == stock, f"swapped {swapped} != stock {stock}"
     passed = sum(o == {"PASSED"} for o in stock.values())
     others = {t.split("::")[-1]: sorted(o) for t, o in stock.items() if o != {"PASSED"}}
-    print(f"{Path(CHECKOUT).name}: {passed} of {len(stock)} passed on all 8 ranks, both runs; "
-          f"the others, alike both runs: {others or 'none'}; run again alone: "
-          f"{retried or 'none'}")  # fmt: skip
+    report_figure(
+        f"Megatron-Core's schedule tests {tag}: {passed} of {len(stock)} passed on all 8 ranks, "
+        f"both runs; the others, alike both runs: {others or 'none'}; run again alone: "
+        f"{retried or 'none'}"
+    )

@@ -11,6 +11,11 @@ For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
 - :func:`run_pretrain_gpt` launches ``torchrun ... pretrain_gpt.py`` and parses the log lines
   and, with ``--lossfix-metrics-out``, the JSON metrics.
 
+- :func:`unpack_tag` unpacks a Megatron-LM source archive (``<tag>.tar.gz``, unpacking to
+  ``Megatron-LM/``) from the folder named by ``MEGATRON_LM_ARCHIVES``; :func:`tags_to_test` says
+  which tags a test session runs (``MEGATRON_LM_TAGS``, else the tag of the installed
+  megatron-core's release series).
+
     python -m megatron_lossfix.testing.megatron_lm_run write-data /tmp/lf/padded PATH_TO_MEGATRON_LM
 """
 
@@ -21,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +40,22 @@ __all__ = [
     "patched_copy",
     "run_pretrain_gpt",
     "save_initial_checkpoint",
+    "skip_reason",
+    "tags_to_test",
     "tiny_gpt_args",
+    "unpack_tag",
     "write_padded_dataset",
 ]
+
+#: Environment variable naming a folder of Megatron-LM source archives, ``<tag>.tar.gz``, each
+#: unpacking to ``Megatron-LM/`` (CI sets it to ``../shared/megatron-lm``).
+ARCHIVES_ENV = "MEGATRON_LM_ARCHIVES"
+#: Optional: comma-separated tags to test (or ``all``) instead of the installed release's tag.
+TAGS_ENV = "MEGATRON_LM_TAGS"
+NEEDS_ARCHIVES = (
+    f"set {ARCHIVES_ENV} to a folder of Megatron-LM source archives (<tag>.tar.gz, "
+    "e.g. core_v0.19.0.tar.gz, each unpacking to Megatron-LM/)"
+)
 
 #: ``--vocab-size`` of the runs. NullTokenizer's EOD id is 256 up to Megatron-LM 0.17 and 255
 #: from 0.18 (:func:`checkout_null_tokenizer_eod`); documents draw their text from 0..254, which
@@ -244,6 +263,66 @@ def run_pretrain_gpt(
     if metrics_out is not None and Path(metrics_out).exists():
         metrics = [json.loads(line) for line in Path(metrics_out).read_text().splitlines()]
     return RunResult(proc.returncode, output, logged, metrics)
+
+
+def archives_folder() -> Path | None:
+    """The folder ``MEGATRON_LM_ARCHIVES`` names, or None when unset or not a folder."""
+    folder = os.environ.get(ARCHIVES_ENV)
+    return Path(folder).resolve() if folder and Path(folder).is_dir() else None
+
+
+def archive_tags(folder: str | os.PathLike) -> list[str]:
+    """The tags (and ``main``) whose archive lies in ``folder``, sorted."""
+    return sorted(p.name[: -len(".tar.gz")] for p in Path(folder).glob("*.tar.gz"))
+
+
+def release_tag(folder: str | os.PathLike, version: str | None = None) -> str | None:
+    """The archive of megatron-core ``version``'s release series (the installed one by default):
+    ``core_v0.19.0`` for 0.19.2; the newest patch release there is, or None."""
+    if version is None:
+        from importlib import metadata
+
+        version = metadata.version("megatron-core")
+    series = ".".join(version.split(".")[:2])
+    candidates = [t for t in archive_tags(folder) if t.startswith(f"core_v{series}.")]
+    return max(candidates, key=lambda t: [int(x) for x in re.findall(r"\d+", t)], default=None)
+
+
+def tags_to_test(folder: str | os.PathLike) -> list[str]:
+    """``MEGATRON_LM_TAGS`` (comma-separated, ``all`` for every archive), else the installed
+    release's tag; empty when its archive is missing."""
+    wanted = os.environ.get(TAGS_ENV, "").strip()
+    if wanted == "all":
+        return archive_tags(folder)
+    if wanted:
+        return [t.strip() for t in wanted.split(",") if t.strip()]
+    tag = release_tag(folder)
+    return [tag] if tag else []
+
+
+def skip_reason(folder: str | os.PathLike | None) -> str:
+    """Why a test that trains or tests Megatron-LM sources has none to use, in one line."""
+    if folder is None:
+        return NEEDS_ARCHIVES
+    return f"no archive of megatron-core's release tag (or of {TAGS_ENV}) in {folder}"
+
+
+def unpack_tag(folder: str | os.PathLike, tag: str, dest: str | os.PathLike) -> Path:
+    """Unpack ``folder/<tag>.tar.gz`` under ``dest``; returns its ``Megatron-LM`` tree."""
+    archive = Path(folder) / f"{tag}.tar.gz"
+    if not archive.is_file():
+        raise FileNotFoundError(f"{archive} not found; {NEEDS_ARCHIVES}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        if sys.version_info >= (3, 12):
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)  # noqa: S202 (our own test inputs)
+    tree = dest / "Megatron-LM"
+    if not (tree / "megatron").is_dir():
+        raise FileNotFoundError(f"{archive} does not unpack to Megatron-LM/megatron")
+    return tree
 
 
 if __name__ == "__main__":

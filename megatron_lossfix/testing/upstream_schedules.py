@@ -23,7 +23,7 @@ The tests hard-code NCCL and CUDA; here they run on CPU: ``init_process_group`` 
 stock and swapped alike (it creates its embedding groups with ``dist.new_group`` called with a
 different rank list on each rank, which NCCL tolerates and gloo's eager connection setup may
 not). Nothing of Megatron's code is kept in this repository;
-``tests/test_upstream_schedules.py`` drives this plugin when ``MEGATRON_LM_PATH`` names a checkout.
+``tests/test_upstream_schedules.py`` drives this plugin on trees from ``MEGATRON_LM_ARCHIVES``.
 """
 
 from __future__ import annotations
