@@ -55,7 +55,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from benchmark_step import CUDA, VARIANTS, Bench, baseline, max_over_ranks, sync
-from common import add_common_args, init_distributed, positive_int
+from common import (
+    add_common_args,
+    init_distributed,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 from megatron_lossfix.cpu_compat import quiet_repeated_megatron_warnings
 
@@ -71,8 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--seq-length", type=pos, default=256, help="tokens per sequence")
     add("--micro-batch-size", type=pos, default=1, help="sequences per micro-batch")
     add("--global-batch-size", type=pos, default=8, help="sequences per step")
-    add("--lr", type=float, default=1e-4, help="Adam learning rate")
-    add("--seed", type=int, default=1234, help="seed of weights and data")
+    add("--lr", type=non_negative_float, default=1e-4, help="Adam learning rate")
+    add("--seed", type=non_negative_int, default=1234, help="seed of weights and data")
     add("--bf16", action="store_true", help="Megatron-LM's --bf16 (default fp32)")
     add("--ranks", default="1,2,4", help="comma-separated world sizes (data-parallel ranks)")
     add("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
@@ -80,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {every}")
     add("--rounds", type=pos, default=5, help="round-robin rounds over the variants")
     add("--steps-per-round", type=pos, default=3, help="timed steps per variant and round")
-    add("--warmup", type=int, default=2, help="untimed steps per variant before the rounds")
+    add("--warmup", type=non_negative_int, default=2, help="untimed steps a variant, before rounds")
     add("--memory-steps", type=pos, default=3, help="steps per workload in a memory process")
     add("--no-memory", action="store_true", help="skip the fresh-process peak memory runs")
     add("--json-out", default=None, help="also write all results as JSON to this file")

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from usage import ExampleArgumentParser
 
 from megatron_lossfix.args import (
     add_lossfix_args,
@@ -36,9 +37,11 @@ from megatron_lossfix.args import (
 from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
 from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records
 
+PROG = "bridge_pretrain.py"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ExampleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=positive_int, default=4, help="transformer layers")
     model.add_argument("--hidden-size", type=positive_int, default=64, help="hidden size")
@@ -83,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.lossfix_self_check:
         parser.error("--lossfix-self-check is not wired into Bridge's loop; drop it")
+    try:  # the plugin's own refusals, before start-up like the others
+        from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 

@@ -23,13 +23,13 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from usage import ExampleArgumentParser, UsageError, exit_before_startup, print_error
 
 import megatron_lossfix
 from megatron_lossfix import LossFixConfig, LossFixSchedule, training
@@ -64,45 +64,6 @@ __all__ = [
 ]
 
 
-class UsageError(Exception):
-    """A mistake in the flags or the data, found before start-up: reported as one line."""
-
-
-def _reporting_rank() -> bool:
-    """Whether this process prints errors for the whole launch: global rank 0 (torchrun's
-    ``RANK`` before torch.distributed starts), or a process started without torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _print_error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-
-
-def _exit_before_startup(prog: str, message: str) -> NoReturn:
-    """Exit 2 on every rank; rank 0 prints the line. torchrun stops the whole launch as soon as
-    one rank exits, so the silent ranks give rank 0 a moment to print before they go."""
-    if _reporting_rank():
-        _print_error(prog, message)
-    else:
-        time.sleep(_SILENT_RANK_GRACE_S)
-    sys.exit(2)
-
-
-#: How long a silent rank waits before exiting on a usage error (see _exit_before_startup).
-_SILENT_RANK_GRACE_S = 3.0
-
-
-class ExampleArgumentParser(argparse.ArgumentParser):
-    """argparse, except that a usage error is one line, ``prog: error: message``, printed by
-    global rank 0 only (torchrun starts every rank with the same flags), with exit status 2 on
-    every rank. The usage text, a screenful for these scripts, is left to ``--help``."""
-
-    def error(self, message: str) -> NoReturn:
-        _exit_before_startup(self.prog, message)
-
-
 @contextlib.contextmanager
 def one_line_errors(prog: str) -> Iterator[None]:
     """Turn the known kinds of mistakes into one line and a non-zero exit, without a traceback.
@@ -121,7 +82,7 @@ def one_line_errors(prog: str) -> Iterator[None]:
         if not started:
             if isinstance(exc, SelfCheckError):
                 raise
-            _exit_before_startup(prog, _describe(exc))
+            exit_before_startup(prog, _describe(exc))
         if isinstance(exc, OSError) or not _raised_by_us(exc):
             raise  # a ValueError deep inside Megatron or torch is a bug: keep its traceback
         rank = dist.get_rank()
@@ -129,9 +90,9 @@ def one_line_errors(prog: str) -> Iterator[None]:
         # "problem on another rank" points at the rank that prints its own error.
         shared = isinstance(exc, SelfCheckError) or type(exc).__name__ == "ProblemOnAnotherRank"
         if rank == 0:
-            _print_error(prog, _describe(exc))
+            print_error(prog, _describe(exc))
         elif not shared:
-            _print_error(prog, f"(rank {rank}) {_describe(exc)}")
+            print_error(prog, f"(rank {rank}) {_describe(exc)}")
         sys.exit(1)
 
 

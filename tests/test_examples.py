@@ -110,7 +110,9 @@ def _script(name: str):
 
 @pytest.fixture(scope="module")
 def scripts() -> dict:
-    return {name: _script(name) for name in ("pretrain_gpt.py", "grpo_gpt.py")}
+    return {
+        name: _script(name) for name in ("pretrain_gpt.py", "grpo_gpt.py", "bridge_pretrain.py")
+    }
 
 
 def _one_line_error(scripts, capsys, monkeypatch, name: str, args: list[str], **env: str) -> str:
@@ -209,6 +211,31 @@ def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, a
     args = [a.replace("{bad}", str(bad)) for a in args]
     line = _one_line_error(scripts, capsys, monkeypatch, "grpo_gpt.py", args)
     assert message in line, (message, line)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "-1"], "argument --lr: must be >= 0, got -1"),
+        (["--micro-batch-size", "0"], "argument --micro-batch-size: must be a positive integer"),
+        (["--loss-norm-constant", "5"], "applies only to reduction seq_mean_token_sum_norm"),
+        (["--lossfix-self-check"], "--lossfix-self-check is not wired into Bridge's loop"),
+    ],
+    ids=["lr", "mbs0", "norm-constant", "self-check"],
+)
+def test_bridge_mistakes_end_in_one_line(scripts, capsys, monkeypatch, args, message):
+    """Checked before Bridge or Megatron is imported (Bridge need not be installed)."""
+    line = _one_line_error(scripts, capsys, monkeypatch, "bridge_pretrain.py", args)
+    assert message in line, (message, line)
+
+
+@pytest.mark.unit
+def test_bridge_mistake_is_printed_by_rank_0_only(scripts, capsys, monkeypatch):
+    args = ["--lr", "-1"]  # every rank exits 2; only global rank 0 prints
+    assert "" == _one_line_error(
+        scripts, capsys, monkeypatch, "bridge_pretrain.py", args, WORLD_SIZE="2", RANK="1"
+    )
 
 
 @pytest.mark.e2e
