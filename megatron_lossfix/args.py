@@ -35,12 +35,16 @@ __all__ = [
 
 
 # argparse types: a wrong value ends in argparse's one line, which names the flag.
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -67,10 +71,7 @@ def non_negative_float(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0 (seeds: numpy and Python's random refuse negatives)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
