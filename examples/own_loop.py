@@ -7,18 +7,18 @@ Data parallelism only; 8 sequences a step with 1 to 16 loss tokens each, the sam
 for any number of ranks. It uses the plugin's public API and Megatron-Core, nothing else.
 """
 
-import argparse
 import json
 import os
 from functools import partial
 
 import torch
 import torch.distributed as dist
+from usage import ExampleArgumentParser  # a bad flag: one line from rank 0, exit 2
 
 import megatron_lossfix as lossfix
 from megatron_lossfix.args import non_negative_float, non_negative_int, positive_int
 
-parser = lossfix.add_lossfix_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+parser = lossfix.add_lossfix_args(ExampleArgumentParser(description=__doc__.split("\n")[0]))
 add, pos = parser.add_argument, positive_int  # argparse types: a bad value names its flag
 add("--micro-batch-size", type=pos, default=2, help="sequences per micro-batch")
 add("--global-batch-size", type=pos, default=8, help="sequences per step")

@@ -70,6 +70,8 @@ def test_bad_flags_stop_before_start_up_with_one_line(args, flag):
     cmd = [sys.executable, str(ROOT / "examples" / "own_loop.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
-    error = proc.stderr.strip().splitlines()[-1]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]  # no usage screen, no traceback
+    error = lines[0]
     assert error.startswith("own_loop.py: error: "), proc.stderr[-2000:]
     assert flag in error and "Traceback" not in proc.stderr, proc.stderr[-2000:]
