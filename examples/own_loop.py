@@ -108,7 +108,7 @@ for iteration in range(1, args.train_iters + 1):
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )  # fmt: skip
     except lossfix.StepRefused as exc:  # on every rank together: each says why, all stop
-        print(f"rank {dist.get_rank()}: {exc}", flush=True)
+        print(f"rank {dist.get_rank()}: {exc}\n", end="", flush=True)  # one write: no interleaving
         dist.barrier()
         raise SystemExit(1) from None
     _, grad_norm, _ = optimizer.step()

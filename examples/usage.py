@@ -31,7 +31,9 @@ def _reporting_rank() -> bool:
 
 
 def print_error(prog: str, message: str) -> None:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    # One write, newline included: torchrun's ranks share the stream and run unbuffered, where
+    # print's separate write of the newline lets two ranks' lines interleave.
+    print(f"{prog}: error: {message}\n", end="", file=sys.stderr, flush=True)
 
 
 def exit_before_startup(prog: str, message: str) -> NoReturn:
