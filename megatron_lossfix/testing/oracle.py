@@ -94,14 +94,13 @@ def _forward_step(case: OracleCase, num_microbatches: int, data_iterator: Any, m
 
 def _stock_report(case: OracleCase, num_microbatches: int, loss_func: Any, output: Any) -> tuple:
     """``off``: the loss tuple unchanged, its report adding this micro-batch's share of the loss
-    stock Megatron optimizes (``stock_loss_sum``, summed over the step by ``step_metrics``)
-    and, on Megatron's per-token path, its token count (``num_tokens_sum``)."""
+    stock Megatron optimizes (``stock_loss_sum``) and its loss tokens (``num_tokens_sum``),
+    both summed over the step by ``step_metrics``."""
     from megatron.core import parallel_state as ps
 
     loss, num_tokens, report = loss_func(output)
     if case.per_token:  # Megatron divides the summed loss by the step's token count
         share = loss.detach().clone()
-        report = {**report, "num_tokens_sum": num_tokens.detach()}
     else:  # Megatron: loss / n / M, gradients averaged over D x CP
         scale = num_microbatches * ps.get_data_parallel_world_size()
         share = (
@@ -109,15 +108,16 @@ def _stock_report(case: OracleCase, num_microbatches: int, loss_func: Any, outpu
             / torch.clamp(num_tokens, min=1)
             / (scale * ps.get_context_parallel_world_size())
         )
-    return loss, num_tokens, {**report, "stock_loss_sum": share}
+    return loss, num_tokens, {**report, "stock_loss_sum": share, "num_tokens_sum": num_tokens}
 
 
 def _stock_loss(case: OracleCase, metrics: dict) -> dict:
-    """``off``: the loss stock Megatron optimizes, from the reports Megatron returned."""
-    loss = metrics.pop("stock_loss_sum")
+    """``off``: the loss stock Megatron optimizes and the step's loss tokens, from the reports
+    Megatron returned."""
+    loss, num_tokens = metrics.pop("stock_loss_sum"), metrics.pop("num_tokens_sum")
     if case.per_token:
-        loss /= max(metrics.pop("num_tokens_sum"), 1.0)
-    return {**metrics, "loss": loss}
+        loss /= max(num_tokens, 1.0)
+    return {**metrics, "loss": loss, "num_tokens": num_tokens}
 
 
 def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tuple:
