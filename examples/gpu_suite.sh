@@ -45,7 +45,8 @@ step_logprobs() {
 }
 
 step_megatron_lm() {
-  "$py" - <<'EOF'
+  # The Megatron-LM runner is a test helper (tests/helpers/megatron_lm_run.py).
+  PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" "$py" - <<'EOF'
 import os, tempfile
 from helpers.megatron_lm_run import (
     run_pretrain_gpt, tiny_gpt_args, write_padded_dataset)
