@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: Environment variable naming a folder of Megatron-LM source archives, ``<tag>.tar.gz``, each
-#: unpacking to ``Megatron-LM/`` (CI sets it to ``../shared/megatron-lm``).
+#: unpacking to ``Megatron-LM/`` (``.ci/run`` sets it).
 ARCHIVES_ENV = "MEGATRON_LM_ARCHIVES"
 #: Optional: comma-separated tags to test (or ``all``) instead of the installed release's tag.
 TAGS_ENV = "MEGATRON_LM_TAGS"
