@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.integrations.megatron_lm import LOSS_KEY, MasksToDevice, MegatronLMLossFix
 from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.megatron_lm import LOSS_KEY, MasksToDevice, MegatronLMLossFix
 
 __all__ = [
     "BridgeLossFix",
