@@ -13,10 +13,10 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    # megatron-core 0.16.x runs on Python 3.10/3.11; 0.17 and newer need Python >= 3.12.
-    python_requires=">=3.10",
+    # Tested on Python 3.11 (megatron-core 0.16.x) and 3.12 (0.17 and newer need Python >= 3.12).
+    python_requires=">=3.11",
+    # The runtime and its subpackages only: tests/ and examples/ stay in the repository.
     packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
-    package_data={"megatron_lossfix": ["data/*.jsonl"]},
     # Megatron-LM patches (python -m megatron_lossfix.patches): the repository's patches/ is the
     # only copy; a non-editable install puts them under <prefix>/share/megatron_lossfix/patches.
     data_files=[("share/megatron_lossfix/patches", sorted(glob("patches/*.patch")))],
@@ -37,7 +37,6 @@ setup(
     entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
-        "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -10,7 +10,7 @@
 # imports. torch and megatron-core stay as they are (pinned by a constraints file).
 # Never `pip install megatron`: an unrelated PyPI project that breaks the `megatron` namespace.
 # The installed nvidia-resiliency-ext (0.4.1, the newest on PyPI for this platform) is too old for
-# megatron-core's checkpointing probe: megatron_lossfix.cpu_megatron_bridge.enable_cpu_bridge() hides it,
+# megatron-core's checkpointing probe: megatron_lossfix.integrations.cpu_megatron_bridge.enable_cpu_bridge() hides it,
 # so plain `import megatron.core` fails in this environment without that call.
 set -euo pipefail
 PY=${1:?usage: .ci/install_bridge.sh PATH/TO/VENV/bin/python}
@@ -38,7 +38,7 @@ trap 'rm -f "$constraints"' EXIT
 # Smoke test: Bridge's training entry point imports with the plugin's CPU shims.
 cd "$(dirname "$0")/.."
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -W ignore -c '
-from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
+from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
 enable_cpu_bridge()
 from megatron.bridge.training.pretrain import pretrain
 import megatron.bridge

@@ -5,7 +5,7 @@ The same GPT, data and data-parallel layout train under each variant: ``stock`` 
 report)`` and its all-reduce of the report), ``stock-repeat`` (stock again: the noise floor),
 ``stock-per-token`` (``calculate_per_token_loss=True``), ``off`` and every mode through
 ``LossFixSchedule``, and ``token_mean-per-token``. Workloads: ``sft`` (``weighted_loss`` of the
-per-token cross entropy) and ``rl`` (``megatron_lossfix.rl_losses.rl_loss`` on the logits:
+per-token cross entropy) and ``rl`` (``megatron_lossfix.rl.objective.rl_loss`` on the logits:
 PPO-clip and a k3 KL term against fixed rollout log-probs). A step: zero the grads, the schedule
 (``fwd-bwd``: with DDP's all-reduce and ``finalize_model_grads``), ``optimizer.step()`` and the
 step's metrics (stock: Megatron-LM's all-reduce of ``lm loss``; plugin: ``step_metrics()``).
@@ -22,7 +22,7 @@ Launch (CPU/gloo; the driver starts ``torchrun --standalone`` per world size, th
 variant for the fresh-process peak)::
 
     python examples/benchmark.py --ranks 1,2,4 --rounds 9 --steps-per-round 2 \\
-        --json-out /tmp/benchmark.json
+        --json-out out/benchmark.json
 
 One world size by hand (timing only, rank 0 prints the tables)::
 

@@ -3,7 +3,7 @@
 Measures, for forward + backward of ``logprobs`` and ``entropy`` over ``[tokens, vocab]`` logits,
 the peak memory used beyond the logits tensor and its gradient (reported as a fraction of the
 logits tensor's size) and the wall time, for
-``megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy`` (chunked, one autograd.Function)
+``megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy`` (chunked, one autograd.Function)
 and ``naive_logprobs_entropy`` (``log_softmax`` + gather + ``-(p * logp).sum()``). Prints a
 markdown table.
 
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from megatron_lossfix.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
+from megatron_lossfix.rl.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
 IMPLS = ("kernel", "naive")
 

@@ -15,12 +15,12 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from byte_data import ByteTokenizer, global_batch, load_records, microbatches
 from common import build_model
 
 from megatron_lossfix import REDUCTIONS, LossFixConfig, LossFixSchedule, weighted_loss
-from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records, microbatches
-from megatron_lossfix.rl_losses import rl_loss
-from megatron_lossfix.training import Layout, init_layout, train_step
+from megatron_lossfix.audit.training import Layout, init_layout, train_step
+from megatron_lossfix.rl.objective import rl_loss
 
 CUDA = torch.cuda.is_available()
 VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)

@@ -9,9 +9,9 @@ embedded corpus by default) whose loss masks vary from sequence to sequence. Bri
 
 Launch (two layouts of the same step; their loss and grad norm agree to ~1e-7):
     torchrun --standalone --nproc-per-node 1 examples/bridge_pretrain.py \
-        --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --metrics-out /tmp/a.jsonl
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --metrics-out out/a.jsonl
     torchrun --standalone --nproc-per-node 2 examples/bridge_pretrain.py \
-        --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --metrics-out /tmp/b.jsonl
+        --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --metrics-out out/b.jsonl
 Add --loss-reduction off to see stock Bridge disagree with itself. Needs megatron-bridge
 (.ci/install_bridge.sh installs it where its full install cannot build).
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from byte_data import ByteTokenizer, global_batch, load_records
 from usage import ExampleArgumentParser
 
 from megatron_lossfix.args import (
@@ -34,8 +35,7 @@ from megatron_lossfix.args import (
     non_negative_int,
     positive_int,
 )
-from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
-from megatron_lossfix.datasets import ByteTokenizer, global_batch, load_records
+from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
 
 PROG = "bridge_pretrain.py"
 
@@ -278,7 +278,7 @@ def _model_provider(args: argparse.Namespace) -> Any:
 
 
 def _deterministic_weights(seed: int) -> Any:
-    from megatron_lossfix.training import set_deterministic_params
+    from megatron_lossfix.audit.training import set_deterministic_params
 
     def hook(chunks: list) -> list:
         set_deterministic_params(chunks, seed)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     enable_cpu_bridge()
     from megatron.bridge.training.pretrain import pretrain
 
-    from megatron_lossfix.bridge import enable_bridge, lossfix_forward_step
+    from megatron_lossfix.integrations.bridge import enable_bridge, lossfix_forward_step
 
     config = from_args(args)
     if not torch.cuda.is_available():

@@ -30,10 +30,11 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from byte_data import ByteTokenizer, DataStats
 from usage import ExampleArgumentParser, UsageError, exit_before_startup, print_error
 
 import megatron_lossfix
-from megatron_lossfix import LossFixConfig, LossFixSchedule, training
+from megatron_lossfix import LossFixConfig, LossFixSchedule
 from megatron_lossfix.args import (
     add_lossfix_args,
     finite_float,
@@ -42,10 +43,10 @@ from megatron_lossfix.args import (
     non_negative_int,
     positive_int,
 )
+from megatron_lossfix.audit import training
+from megatron_lossfix.audit.training import Layout, init_layout
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
-from megatron_lossfix.datasets import ByteTokenizer, DataStats
 from megatron_lossfix.selfcheck import SelfCheckError, with_self_check
-from megatron_lossfix.training import Layout, init_layout
 
 __all__ = [
     "ExampleArgumentParser",

@@ -45,9 +45,10 @@ step_logprobs() {
 }
 
 step_megatron_lm() {
-  "$py" - <<'EOF'
+  # The Megatron-LM runner is a test helper (tests/helpers/megatron_lm_run.py).
+  PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" "$py" - <<'EOF'
 import os, tempfile
-from megatron_lossfix.testing.megatron_lm_run import (
+from helpers.megatron_lm_run import (
     run_pretrain_gpt, tiny_gpt_args, write_padded_dataset)
 
 path, tmp = os.environ["MEGATRON_LM_PATH"], tempfile.mkdtemp()

@@ -20,7 +20,7 @@ Where the rollouts come from:
   it reaches about 1.0 in 150 iterations (about 2 minutes on 2 CPU cores).
 
 Per micro-batch the model returns logits (no labels) and the loss function is
-``megatron_lossfix.rl_losses.rl_loss``: ``vocab_parallel_logprobs_entropy`` turns the logits into
+``megatron_lossfix.rl.objective.rl_loss``: ``vocab_parallel_logprobs_entropy`` turns the logits into
 the target log-probs and entropies (TP-correct), and ``rl_objective`` returns the weighted sum
 ``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` with the plugin's weights, so every term is
 normalized once, globally. Each iteration logs one line like Megatron-LM and, with
@@ -54,15 +54,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.datasets import ByteTokenizer, iter_jsonl, microbatches
-from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
-from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.rl_losses import KL_KINDS, POLICY_LOSSES, grpo_advantages, rl_loss
+from megatron_lossfix import grpo_advantages, slice_batch_for_cp, vocab_parallel_logprobs_entropy
+from megatron_lossfix.rl.objective import KL_KINDS, POLICY_LOSSES, rl_loss
 
-# `common` sits beside this script: on sys.path when the script runs as a file, but not when a
-# test imports the script by path.
+# `common` and `byte_data` sit beside this script: on sys.path when the script runs as a file, but
+# not when a test imports the script by path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from byte_data import ByteTokenizer, iter_jsonl, microbatches  # noqa: E402
 from common import (  # noqa: E402
     ExampleArgumentParser,
     ExampleRun,

@@ -26,14 +26,13 @@ import time
 from functools import partial
 from pathlib import Path
 
-from megatron_lossfix import weighted_loss
-from megatron_lossfix.datasets import DataStats, global_batch, load_records, microbatches
-from megatron_lossfix.megatron_compat import slice_batch_for_cp
+from megatron_lossfix import slice_batch_for_cp, weighted_loss
 
-# `common` sits beside this script: on sys.path when the script runs as a file, but not when a
-# test imports the script by path.
+# `common` and `byte_data` sit beside this script: on sys.path when the script runs as a file, but
+# not when a test imports the script by path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from byte_data import DataStats, global_batch, load_records, microbatches  # noqa: E402
 from common import (  # noqa: E402
     ExampleArgumentParser,
     ExampleRun,

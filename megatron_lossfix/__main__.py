@@ -1,8 +1,8 @@
 """``python -m megatron_lossfix <command>`` (also the ``megatron-lossfix`` console script).
 
 Commands:
-  audit    run the gradient invariance matrix on this machine (see ``megatron_lossfix.audit``)
-  patches  apply, check or revert our Megatron-LM patches (see ``megatron_lossfix.patches``)
+  audit    run the gradient invariance matrix on this machine (``megatron_lossfix.audit``)
+  patches  apply, check or revert our Megatron-LM patches (``megatron_lossfix.integrations``)
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": (
         "check every reduction mode's gradient against a one-rank reference over parallel "
         "layouts; writes audit.json (and audit.png with matplotlib), exits 1 on a miss",
-        "megatron_lossfix.audit",
+        "megatron_lossfix.audit.command",
     ),
     "patches": (
         "apply, check or revert the Megatron-LM patches that add the flags to pretrain_gpt.py",
-        "megatron_lossfix.patches",
+        "megatron_lossfix.integrations.patches",
     ),
 }
 

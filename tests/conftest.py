@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megatron_lossfix.testing.pool import DistPool
+from megatron_lossfix.audit.pool import DistPool
 
 TIERS = {
     "unit": "no process group, no Megatron model; `pytest -m unit` runs in under a minute",

@@ -7,8 +7,9 @@ import argparse
 
 import pytest
 
-from megatron_lossfix import MODES, LossFixConfig
+from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.config import MODES
 
 pytestmark = pytest.mark.unit
 

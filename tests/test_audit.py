@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from megatron_lossfix import audit
-from megatron_lossfix.audit import AuditLayout, parse_layout
-from megatron_lossfix.testing.oracle import layout_grads
+from megatron_lossfix.audit import command as audit
+from megatron_lossfix.audit.command import AuditLayout, parse_layout
+from megatron_lossfix.audit.oracle import layout_grads
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

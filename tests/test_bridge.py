@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lossfix.bridge import bridge_cu_seqlens
+from megatron_lossfix.integrations.bridge import bridge_cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
@@ -146,11 +146,11 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
 def test_enable_disable_bridge_is_idempotent_and_reversible():
     """enable_bridge twice, then disable_bridge, leaves Bridge's own functions in place."""
     script = """
-from megatron_lossfix.cpu_megatron_bridge import enable_cpu_bridge
+from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
 enable_cpu_bridge()
 from megatron.bridge.training import train
 from megatron_lossfix import LossFixConfig
-from megatron_lossfix.bridge import disable_bridge, enable_bridge
+from megatron_lossfix.integrations.bridge import disable_bridge, enable_bridge
 getter, step = train.get_forward_backward_func, train.train_step
 enable_bridge(LossFixConfig(reduction="token_mean"), metrics_out="/dev/null")
 patched = train.get_forward_backward_func

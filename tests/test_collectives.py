@@ -5,7 +5,7 @@ Inside the pool's worker ranks every ``torch.distributed`` collective and point-
 point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
 counter keyed by the op and the global ranks of its group (``"all_reduce@0,1"``). One training
 step -- Megatron's schedule with DDP and ``finalize_model_grads``, then ``optimizer.step()``:
-``megatron_lossfix.training.train_step``, the examples' step -- is counted for stock Megatron
+``megatron_lossfix.audit.training.train_step``, the examples' step -- is counted for stock Megatron
 (its own ``get_forward_backward_func()`` with the stock loss ``(sum(m*l), m.sum(), report)``)
 and for every mode through ``LossFixSchedule``.
 ``schedule.step_metrics()`` is not part of the step and is not counted.
@@ -37,8 +37,8 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
 
@@ -187,7 +187,7 @@ def _rank_setup(layout: Layout, per_token: bool, empty_last_dp_rank: bool) -> tu
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_lossfix.testing.tiny_gpt import (
+    from megatron_lossfix.audit.tiny_gpt import (
         build_tiny_gpt,
         init_layout,
         set_deterministic_params,
@@ -220,9 +220,9 @@ def _step_counts(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_lossfix.audit.training import train_step
     from megatron_lossfix.config import LossFixConfig
     from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.training import train_step
 
     chunks, optimizer, mbs = _rank_setup(layout, per_token, empty_last_dp_rank)
 

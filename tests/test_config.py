@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from megatron_lossfix import REDUCTIONS, LossFixConfig, add_lossfix_args, from_args, loss_weights
+from megatron_lossfix import REDUCTIONS, LossFixConfig, add_lossfix_args, loss_weights
+from megatron_lossfix.args import from_args
 from megatron_lossfix.config import MODES
 
 pytestmark = pytest.mark.unit

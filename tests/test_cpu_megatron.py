@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from megatron_lossfix.testing.tiny_gpt import (
+from megatron_lossfix.audit.tiny_gpt import (
     Layout,
     build_tiny_gpt,
     gather_full_grads,

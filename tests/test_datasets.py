@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-
-from megatron_lossfix.datasets import (
+from byte_data import (
     DEFAULT_SEQ_LENGTH,
     ByteTokenizer,
     DataStats,

@@ -33,15 +33,15 @@ import torch
 from test_examples import COMMON, TOL, max_rel_diff, run_example
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.testing.matrix import check_layout
-from megatron_lossfix.testing.oracle import (
+from megatron_lossfix.audit.matrix import check_layout
+from megatron_lossfix.audit.oracle import (
     OracleCase,
     microbatch_plan,
     reference_grads,
     relative_error,
 )
-from megatron_lossfix.testing.pool import DistPool
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.pool import DistPool
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -189,7 +189,7 @@ def test_oracle_one_gpu_native_fused_cross_entropy(gpu_pool):
 def test_logprob_kernel_on_cuda(dtype):
     """Matches full log_softmax (fp64) in value and gradient, with extra memory <= 25% of the
     logits at the default chunking."""
-    from megatron_lossfix.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
+    from megatron_lossfix.rl.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
     gen = torch.Generator().manual_seed(0)
     tokens, vocab = 4096, 32768

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.testing.matrix import check_layout
-from megatron_lossfix.testing.oracle import OracleCase, relative_error
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.matrix import check_layout
+from megatron_lossfix.audit.oracle import OracleCase, relative_error
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
 

@@ -4,7 +4,7 @@ finalize_model_grads on CPU/gloo, versus the one-rank one-micro-batch reference.
 Every plugin mode must match to relative L2 <= 1e-5 under every layout; ``off`` (stock
 Megatron) must miss on this variable-length data whenever the step has more than one
 micro-batch in total, which shows that the check can fail. The layouts are the shared matrix
-(``megatron_lossfix.testing.matrix``), which the audit command runs too.
+(``megatron_lossfix.audit.matrix``), which the audit command runs too.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.testing.matrix import (
+from megatron_lossfix.audit.matrix import (
     INVARIANCE_LAYOUTS,
     check_layout,
     compute_references,
     parse_layout,
     reference_jobs,
 )
-from megatron_lossfix.testing.oracle import OracleCase
+from megatron_lossfix.audit.oracle import OracleCase
 
 pytestmark = pytest.mark.oracle
 

@@ -1,25 +1,31 @@
-"""The package's layers point one way (docs/design.md §6).
+"""The package's layers point one way, and the package holds nothing but what it ships for
+(docs/design.md §6).
 
 Every module under ``megatron_lossfix/`` is parsed with ``ast``; its imports are read wherever
 they stand (module level, inside functions, under ``if TYPE_CHECKING:``). Nothing is imported,
 so the test runs in a fraction of a second and sees lazy imports too.
 
-Layers, lowest first; a module may import its own layer and the ones below:
+Layers, lowest first, one per folder; a module may import its own layer and the ones below:
 
-0. math: the reduction math and losses, plain PyTorch; never imports Megatron.
-1. Megatron glue: the schedule, its metrics and self-check, flags, version differences.
-2. integrations: Megatron-LM, Megatron Bridge, LoRA, the CPU bridge, the patch tool.
+0. runtime: the package's top-level modules (config, weights, losses, the Megatron step, flags,
+   the CPU bridge); the pure ones among them never import Megatron.
+1. ``integrations/``: Megatron-LM, Megatron Bridge, the patch tool.
+2. ``rl/``: the RL objective, policy losses, the log-prob kernel.
 3. the package's ``__init__``: the public names, re-exported from layers 0-2.
-4. verification harness: ``megatron_lossfix.testing`` and the audit built on it.
+4. ``audit/``: what ``python -m megatron_lossfix audit`` runs (rank pool, oracle, layout
+   matrix, tiny model, report).
 
-``megatron_lossfix.__main__`` is the command-line dispatcher: a top-level entry point that may
-import anything (it does so lazily, by module name, so that ``--help`` stays cheap) and that no
-module imports.
+``__main__`` (the command-line dispatcher) and ``patches`` (``python -m
+megatron_lossfix.patches``, the public address of the patch tool) are entry points: they may
+import anything, and no module imports them. Test helpers live under ``tests/``, the examples'
+own modules under ``examples/``; the package imports neither, and a package module that only
+tests import does not belong in the package.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -27,54 +33,19 @@ import pytest
 pytestmark = pytest.mark.unit
 
 PACKAGE = "megatron_lossfix"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / PACKAGE
 
-MATH, GLUE, INTEGRATION, API, HARNESS, ENTRY = range(6)
-LAYER_NAMES = ("math", "Megatron glue", "integration", "package API", "harness", "entry point")
+RUNTIME, INTEGRATIONS, RL, API, AUDIT, ENTRY = range(6)
+LAYER_NAMES = ("runtime", "integrations", "rl", "package API", "audit", "entry point")
 
-LAYERS: dict[str, int] = {
-    # math
-    "reduction": MATH,
-    "config": MATH,
-    "losses": MATH,
-    "policy_losses": MATH,
-    "rl_losses": MATH,
-    "logprobs": MATH,
-    "datasets": MATH,
-    "resplit": MATH,
-    # Megatron glue
-    "megatron_compat": GLUE,
-    "agreement": GLUE,
-    "metrics": GLUE,
-    "mtp": GLUE,
-    "batches": GLUE,
-    "lossfunc": GLUE,
-    "stock": GLUE,
-    "schedule": GLUE,
-    "selfcheck_model": GLUE,
-    "selfcheck": GLUE,
-    "args": GLUE,
-    # integrations
-    "cpu_compat": INTEGRATION,
-    "cpu_megatron_lm": INTEGRATION,
-    "cpu_megatron_bridge": INTEGRATION,
-    "lora": INTEGRATION,
-    "megatron_lm": INTEGRATION,
-    "bridge": INTEGRATION,
-    "patches": INTEGRATION,
-    "training": INTEGRATION,
-    "seeded_params": INTEGRATION,
-    # the package's public names
-    "": API,
-    # verification harness
-    "audit": HARNESS,
-    "audit_report": HARNESS,
-    "audit_options": HARNESS,
-    "testing": HARNESS,
-    "testing.*": HARNESS,
-    # command-line dispatcher
-    "__main__": ENTRY,
-}
+#: Subpackage -> layer; a top-level module is runtime unless it is the API or an entry point.
+SUBPACKAGES: dict[str, int] = {"integrations": INTEGRATIONS, "rl": RL, "audit": AUDIT}
+ENTRY_POINTS = (f"{PACKAGE}.__main__", f"{PACKAGE}.patches")
+
+#: Runtime modules that stay plain PyTorch (the weights and losses): no Megatron import, lazy or
+#: not. Names not present are ignored; at least one must be.
+PURE = ("config", "reduction", "weights", "losses", "resplit")
 
 
 def _module_name(path: Path) -> str:
@@ -88,13 +59,16 @@ MODULES: dict[str, Path] = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"
 
 
 def layer_of(module: str) -> int:
-    short = module[len(PACKAGE) + 1 :] if module != PACKAGE else ""
-    if short in LAYERS:
-        return LAYERS[short]
-    parent = short.rpartition(".")[0]
-    if parent and f"{parent}.*" in LAYERS:
-        return LAYERS[f"{parent}.*"]
-    raise AssertionError(f"{module} has no layer: add it to LAYERS (and docs/design.md §6)")
+    if module == PACKAGE:
+        return API
+    if module in ENTRY_POINTS:
+        return ENTRY
+    parts = module.split(".")[1:]
+    if len(parts) == 1 and not MODULES[module].name == "__init__.py":
+        return RUNTIME
+    if parts[0] in SUBPACKAGES:
+        return SUBPACKAGES[parts[0]]
+    raise AssertionError(f"{module} has no layer: add its folder to SUBPACKAGES (and §6)")
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -107,19 +81,13 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports(module: str) -> list[tuple[int, str, str | None]]:
-    """``(line, imported module, imported name or None)`` for every import in ``module``.
-
-    ``from megatron_lossfix import patches`` imports the module ``megatron_lossfix.patches``;
-    ``from megatron_lossfix import LossFixSchedule`` imports a name of the package itself.
-    """
-    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+def _imports_in(tree: ast.AST, module: str | None) -> list[tuple[int, str, str | None]]:
     found: list[tuple[int, str, str | None]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            source = _resolve(module, node)
+            source = _resolve(module, node) if module else node.module or ""
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
                 if submodule in MODULES:
@@ -127,6 +95,17 @@ def imports(module: str) -> list[tuple[int, str, str | None]]:
                 else:
                     found.append((node.lineno, source, alias.name))
     return found
+
+
+def imports(module: str) -> list[tuple[int, str, str | None]]:
+    """``(line, imported module, imported name or None)`` for every import in ``module``.
+
+    ``from megatron_lossfix.rl import objective`` imports the module
+    ``megatron_lossfix.rl.objective``; ``from megatron_lossfix import LossFixSchedule`` imports
+    a name of the package itself.
+    """
+    path = MODULES[module]
+    return _imports_in(ast.parse(path.read_text(), filename=str(path)), module)
 
 
 def _own(name: str) -> bool:
@@ -147,19 +126,26 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module):
-    """(a) No module imports a higher layer: runtime code never imports the harness, the math
-    layer never imports Megatron, and nothing imports the command-line dispatcher."""
+    """(a) No module imports a higher layer: the runtime never imports an integration, the RL
+    code or the audit, the pure modules never import Megatron, and nothing imports an entry
+    point."""
     own = layer_of(module)
+    pure = module.split(".")[-1] in PURE and own == RUNTIME
     wrong = []
     for line, target, _ in imports(module):
         if _own(target):
             if target not in MODULES:
                 wrong.append(f"line {line}: {target} is not a module of the package")
-            elif layer_of(target) > own:
+            elif layer_of(target) > own or (layer_of(target) == ENTRY and target != module):
                 wrong.append(f"line {line}: {target} ({LAYER_NAMES[layer_of(target)]})")
-        elif own == MATH and (target == "megatron" or target.startswith("megatron.")):
-            wrong.append(f"line {line}: {target} (Megatron, from the math layer)")
+        elif pure and (target == "megatron" or target.startswith("megatron.")):
+            wrong.append(f"line {line}: {target} (Megatron, from a pure runtime module)")
     assert not wrong, f"{module} ({LAYER_NAMES[own]}) imports upward:\n" + "\n".join(wrong)
+
+
+def test_the_pure_modules_exist():
+    """The Megatron-free check above is not vacuous: it names modules that exist."""
+    assert any(f"{PACKAGE}.{name}" in MODULES for name in PURE)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -201,9 +187,147 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+# ------------------------------------------------------------- what the package is for
+
+
+def _local_modules(folder: Path) -> set[str]:
+    """Top-level import names that a folder's files provide when it is on ``sys.path``."""
+    return {p.stem for p in folder.glob("*.py")} | {
+        p.parent.name for p in folder.glob("*/__init__.py")
+    }
+
+
+def test_the_package_imports_neither_tests_nor_examples():
+    """(d) Test helpers and the examples' modules stay out of the package's imports."""
+    outside = (_local_modules(REPO / "tests") | _local_modules(REPO / "examples")) - {PACKAGE}
+    outside |= {"tests", "examples"}
+    wrong = [
+        f"{module} line {line}: {target}"
+        for module in MODULES
+        for line, target, _ in imports(module)
+        if target.split(".")[0] in outside
+    ]
+    assert not wrong, "the package imports test or example code:\n" + "\n".join(wrong)
+
+
+#: Dotted module names in text that is not Python (shell scripts, the Megatron-LM patches).
+_DOTTED = re.compile(rf"\b{PACKAGE}(?:\.\w+)+")
+
+
+def _users_outside_tests() -> dict[str, set[str]]:
+    """``module -> who uses it``, counting package modules (not the module itself), the
+    examples, the Megatron-LM patches, the CI scripts and the entry points' command tables;
+    tests are left out on purpose."""
+    users: dict[str, set[str]] = {m: set() for m in MODULES}
+
+    def note(target: str, user: str) -> None:
+        # ``import a.b.c`` uses a.b.c and the packages above it.
+        while target:
+            if target in users and target != user:
+                users[target].add(user)
+            target = target.rpartition(".")[0]
+
+    for module in MODULES:
+        for _, target, _ in imports(module):
+            note(target, module)
+        if module in ENTRY_POINTS:  # command tables name modules as strings
+            for target in _DOTTED.findall(MODULES[module].read_text()):
+                note(target, module)
+    sources = [*(REPO / "examples").rglob("*.py")]
+    texts = [*(REPO / "examples").rglob("*.sh"), *(REPO / "patches").glob("*.patch")]
+    texts += [*(REPO / ".ci").rglob("*")] if (REPO / ".ci").is_dir() else []
+    for path in sources:
+        for _, target, name in _imports_in(ast.parse(path.read_text()), None):
+            note(
+                f"{target}.{name}" if name and f"{target}.{name}" in MODULES else target, path.name
+            )
+    for path in texts:
+        if path.is_file():
+            for target in _DOTTED.findall(path.read_text(errors="replace")):
+                note(target, path.name)
+    return users
+
+
+def test_no_package_module_only_tests_use():
+    """(e) Every module is used by the package, an example, the Megatron-LM patches or an
+    entry point; a module that only tests import belongs under tests/ (entry points and the
+    package ``__init__`` files are exempt: ``python -m`` and ``import`` reach them)."""
+    users = _users_outside_tests()
+    exempt = {*ENTRY_POINTS, *(m for m, p in MODULES.items() if p.name == "__init__.py")}
+    unused = sorted(m for m, who in users.items() if not who and m not in exempt)
+    assert not unused, "package modules that only tests use (move them to tests/helpers):\n" + (
+        "\n".join(unused)
+    )
+
+
+def test_the_usage_check_sees_examples_patches_and_entry_points():
+    """The usage map is not vacuous: it sees an example's import, the Megatron-LM patches'
+    import and the dispatcher's command table."""
+    users = _users_outside_tests()
+    assert "common.py" in users[f"{PACKAGE}.audit.training"]
+    assert any(u.endswith(".patch") for u in users[f"{PACKAGE}.integrations.megatron_lm"])
+    assert f"{PACKAGE}.__main__" in users[f"{PACKAGE}.audit.command"]
+
+
+# ------------------------------------------------------------------ no machine paths
+
+#: An absolute path into a machine's own folders (home, scratch, temporary, mounted) or a user
+#: folder; system paths such as /dev/null, /usr/bin/env, /proc and URL paths do not match.
+MACHINE_PATH = re.compile(
+    r"(?<![\w.:/~$}\-])/(?:work|tmp|home|root|Users|mnt|scratch|media|var/tmp)/[\w.\-]"
+)
+
+#: Where the rule applies: the package, tests, examples, docs and the README.
+CHECKED = ("megatron_lossfix", "tests", "examples", "docs", "README.md", "setup.py", "patches")
+SUFFIXES = {".py", ".md", ".sh", ".patch", ".txt", ".toml", ".cfg", ".ini", ".json"}
+
+
+def _checked_files() -> list[Path]:
+    """The files the rule applies to; this file's own samples of the rule are left out."""
+    files = []
+    for name in CHECKED:
+        path = REPO / name
+        found = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
+        files += [
+            p
+            for p in found
+            if p.is_file() and p.suffix in SUFFIXES and p != Path(__file__).resolve()
+        ]
+    return files
+
+
+def test_no_machine_paths():
+    """(f) No absolute path of the machine the code was written on; a test that needs a folder
+    takes it from pytest's ``tmp_path`` or an environment variable."""
+    hits = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()[:120]}"
+        for path in _checked_files()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if MACHINE_PATH.search(line)
+    ]
+    assert not hits, "machine paths:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    "text, machine",
+    [
+        ("cd /work/main && make", True),
+        ("--out /tmp/audit", True),
+        ('Path("/home/someone/data")', True),
+        ("> /dev/null 2>&1", False),
+        ("#!/usr/bin/env bash", False),
+        ("https://github.com/NVIDIA/Megatron-LM/tree/main/tmp/x", False),
+        ("examples/data/default_corpus.jsonl", False),
+        ("${HOME}/tmp/x", False),
+    ],
+)
+def test_the_machine_path_rule(text, machine):
+    assert bool(MACHINE_PATH.search(text)) is machine
+
+
 def test_the_checks_see_lazy_and_relative_imports():
     """The parser is not vacuous: it finds a lazy Megatron import, and resolves a package-relative
-    ``from megatron_lossfix import patches`` to the module."""
+    ``from megatron_lossfix.integrations import patches`` to the module."""
     found = imports(f"{PACKAGE}.megatron_compat")
     assert any(target == "megatron.core.pipeline_parallel" for _, target, _ in found)
-    assert f"{PACKAGE}.patches" in _edges()[f"{PACKAGE}.testing.megatron_lm_run"]
+    assert f"{PACKAGE}.integrations.patches" in _edges()[f"{PACKAGE}.patches"]

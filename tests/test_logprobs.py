@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
+from megatron_lossfix.rl.logprobs import naive_logprobs_entropy, vocab_parallel_logprobs_entropy
 
 # (atol, rtol) for values and for gradients; the gradient of bf16 logits is returned in bf16.
 TOL = {

@@ -1,10 +1,10 @@
-"""LoRA (``megatron_lossfix.lora``): wrapper math, frozen base, tensor-parallel correctness, and
+"""LoRA (``helpers.lora``): wrapper math, frozen base, tensor-parallel correctness, and
 layout-invariant adapter gradients under the plugin.
 
 Megatron's linears need a process group even with one rank, so the "single-process" checks run
 on a 1-rank world of the session pool. The tensor-parallel checks compare a 2-rank TP run of a
 small column -> row block (the attention / MLP pattern) with the same block computed densely in
-plain PyTorch. The gradient oracle then runs the tiny GPT with adapters (``lora_rank``) under
+plain PyTorch. The gradient oracle then runs the tiny GPT with adapters (``model_hook``) under
 DP, TP, PP, TP x PP x DP and (MoE) EP, and checks on every rank that the frozen weights got no
 gradient and no grad buffer.
 """
@@ -18,20 +18,30 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_lossfix.testing.oracle import (
+from megatron_lossfix.audit.oracle import (
     OracleCase,
     layout_grads,
     reference_grads,
     relative_error,
 )
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
 
 TOL = 1e-5
 RANK = 4
-CASE = OracleCase(model_kwargs={"lora_rank": RANK})
-MOE_CASE = OracleCase(model_kwargs={"lora_rank": RANK, "num_experts": 4})
+
+
+def add_adapters(model: torch.nn.Module) -> None:
+    """The tiny GPT's ``model_hook``: LoRA adapters of rank ``RANK`` on a frozen base (a
+    module-level function, so that the pool's ranks can unpickle it)."""
+    from helpers.lora import apply_lora
+
+    apply_lora(model, rank=RANK)
+
+
+CASE = OracleCase(model_kwargs={"model_hook": add_adapters})
+MOE_CASE = OracleCase(model_kwargs={"model_hook": add_adapters, "num_experts": 4})
 MODES = ("token_mean", "sequence_mean")
 
 
@@ -105,15 +115,15 @@ def _dense_block(p: dict[str, torch.Tensor], x: torch.Tensor, scaling: float) ->
 
 def _unit_checks() -> dict[str, Any]:
     """1 rank: wrapper == base + scaling * B A x, identity at init, frozen base, error paths."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from megatron_lossfix.lora import (
+    from helpers.lora import (
         LoRAColumnParallelLinear,
         LoRARowParallelLinear,
         apply_lora,
         lora_parameters,
     )
-    from megatron_lossfix.testing.tiny_gpt import init_layout
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_lossfix.audit.tiny_gpt import init_layout
 
     init_layout(Layout())
     torch.manual_seed(0)
@@ -224,10 +234,10 @@ def test_wrapper_math_and_frozen_base(dist_pool):
 def _gpt_structure() -> dict[str, Any]:
     """1 rank: apply_lora on the tiny GPT wraps the 4 linears of every layer, freezes the rest,
     and DDP's grad buffers hold exactly the adapters."""
-    from megatron_lossfix.testing.tiny_gpt import build_tiny_gpt, init_layout
+    from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
 
     init_layout(Layout())
-    chunks, _ = build_tiny_gpt(Layout(), lora_rank=RANK)
+    chunks, _ = build_tiny_gpt(Layout(), model_hook=add_adapters)
     (chunk,) = chunks
     names = {p: n for n, p in chunk.module.named_parameters()}
     buffers = chunk.buffers + chunk.expert_parallel_buffers
@@ -265,6 +275,7 @@ def _tp_block_check(gathered: bool, sequence_parallel: bool) -> dict[str, Any] |
     """2-rank TP run of the LoRA block (through Megatron DDP and finalize_model_grads) vs the
     dense block; returns max errors on rank 0."""
     import torch.distributed as dist
+    from helpers.lora import apply_lora
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -272,8 +283,7 @@ def _tp_block_check(gathered: bool, sequence_parallel: bool) -> dict[str, Any] |
         finalize_model_grads,
     )
 
-    from megatron_lossfix.lora import apply_lora
-    from megatron_lossfix.testing.tiny_gpt import (
+    from megatron_lossfix.audit.tiny_gpt import (
         gather_full_grads,
         gather_full_params,
         init_layout,
@@ -366,7 +376,7 @@ def test_tensor_parallel_block_matches_dense(dist_pool, gathered, sequence_paral
 def _recording_chunks():
     """Records the model chunks that `layout_grads` builds (it imports `build_tiny_gpt` from
     `tiny_gpt` when called), so that the run itself can be inspected afterwards."""
-    from megatron_lossfix.testing import tiny_gpt
+    from megatron_lossfix.audit import tiny_gpt
 
     built: list = []
     original = tiny_gpt.build_tiny_gpt

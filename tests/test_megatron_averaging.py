@@ -24,7 +24,7 @@ import torch
 from packaging.version import Version
 
 from megatron_lossfix import megatron_compat
-from megatron_lossfix.testing.tiny_gpt import Layout, init_layout
+from megatron_lossfix.audit.tiny_gpt import Layout, init_layout
 
 pytestmark = pytest.mark.oracle
 
@@ -194,7 +194,7 @@ def _cp_slices(layout: Layout, seq: int) -> tuple[int, list[float], list[float],
     from megatron.core import parallel_state as ps
 
     from megatron_lossfix.config import LossFixConfig
-    from megatron_lossfix.megatron_lm import MegatronLMLossFix
+    from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
     from megatron_lossfix.schedule import resolve_groups
 
     init_layout(layout)

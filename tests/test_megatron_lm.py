@@ -1,4 +1,4 @@
-"""Unit tests of ``megatron_lossfix.megatron_lm``, the code our Megatron-LM patch calls.
+"""Tests of ``megatron_lossfix.integrations.megatron_lm``, the code our Megatron-LM patch calls.
 
 Unit tests (no Megatron-LM): flag composition, the refusals, the forward-step wrapper and the
 ``[contribution, indicator]`` report that makes Megatron-LM log the global loss.
@@ -18,23 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.megatron_lm_run import (
+    archives_folder,
+    skip_reason,
+    tags_to_test,
+    unpack_tag,
+)
 from test_examples import max_rel_diff
 
-from megatron_lossfix import patches
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.megatron_lm import (
+from megatron_lossfix.integrations import patches
+from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MegatronLMLossFix,
     add_args_provider,
     wrap_forward_backward_func,
 )
 from megatron_lossfix.schedule import StepGroups
-from megatron_lossfix.testing.megatron_lm_run import (
-    archives_folder,
-    skip_reason,
-    tags_to_test,
-    unpack_tag,
-)
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 
@@ -219,7 +219,7 @@ class _Runs:
         """The patched tree of tag ``checkout``, its EOD id, the prefix of its masked data and
         the flags that load the initial weights every layout of ``model`` starts from."""
         if (checkout, model) not in self.copies:
-            from megatron_lossfix.testing.megatron_lm_run import (
+            from helpers.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
                 save_initial_checkpoint,
                 tiny_gpt_args,
@@ -242,7 +242,7 @@ class _Runs:
         logged line (``stock``: no flag at all, Megatron-LM as released)."""
         key = (checkout, layout, mode, model)
         if key not in self.results:
-            from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+            from helpers.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
 
             copy, eod, data, load = self.copy(checkout, model)
             nproc, mbs, flags = (1, 1, []) if layout == "mb1" else LAYOUTS[layout]
@@ -369,7 +369,7 @@ _VALIDATION = re.compile(r"validation loss at iteration\s+(\d+).*?lm loss value:
 def _validation_losses(lm_runs: _Runs, checkout: str, layout: str, mode: str) -> list[float]:
     """The validation losses Megatron-LM logs after one training step at learning rate 0 (the
     same weights in every layout), on a validation split of the masked data."""
-    from megatron_lossfix.testing.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+    from helpers.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
 
     copy, eod, data, load = lm_runs.copy(checkout, "dense")
     nproc, mbs = EVAL_LAYOUTS[layout]

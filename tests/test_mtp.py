@@ -18,11 +18,11 @@ import torch
 from packaging.version import Version
 
 from megatron_lossfix import REDUCTIONS
+from megatron_lossfix.audit.matrix import check_layout
+from megatron_lossfix.audit.oracle import OracleCase
+from megatron_lossfix.audit.tiny_gpt import Layout
 from megatron_lossfix.megatron_compat import megatron_core_version
 from megatron_lossfix.reduction import shifted_masks
-from megatron_lossfix.testing.matrix import check_layout
-from megatron_lossfix.testing.oracle import OracleCase
-from megatron_lossfix.testing.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
 

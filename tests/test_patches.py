@@ -18,10 +18,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.megatron_lm_run import NEEDS_ARCHIVES, archives_folder, unpack_tag
 
-from megatron_lossfix import patches
-from megatron_lossfix.patches import PatchError, State
-from megatron_lossfix.testing.megatron_lm_run import NEEDS_ARCHIVES, archives_folder, unpack_tag
+from megatron_lossfix.integrations import patches
+from megatron_lossfix.integrations.patches import PatchError, State
 
 ORIGINAL = "def greet():\n    return 'hello'\n\n\nprint(greet())\n"
 PATCHED = "def greet():\n    return 'hello, world'\n\n\nprint(greet())\n"
@@ -194,7 +194,7 @@ def test_command_line_exit_codes(
 def test_repository_patches_are_found_and_well_formed() -> None:
     infos = patches.available_patches()
     assert {i.version for i in infos} >= {"0.16.1", "0.17.1", "0.18.2", "0.19.1", "main"}
-    assert patches.patches_dir() == Path(patches.__file__).resolve().parent.parent / "patches"
+    assert patches.patches_dir() == Path(patches.__file__).resolve().parents[2] / "patches"
     for info in infos:
         assert "pretrain_gpt.py" in info.files
         text = info.path.read_text()
@@ -318,7 +318,7 @@ def test_tag_chooses_its_patch_and_round_trips(tmp_path: Path, ref: str) -> None
 
 @needs_archives
 def test_patched_copy_leaves_the_source_tree_alone(tmp_path: Path) -> None:
-    from megatron_lossfix.testing.megatron_lm_run import patched_copy
+    from helpers.megatron_lm_run import patched_copy
 
     source = unpack_tag(ARCHIVES, "core_v0.16.1", tmp_path / "source")
     before = {p: p.read_bytes() for p in source.rglob("*.py")}

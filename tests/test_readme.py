@@ -62,7 +62,7 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "tag's tree where MEGATRON_LM_ARCHIVES is set",
     ),
     (
-        "-p megatron_lossfix.testing.upstream_schedules",
+        "-p helpers.upstream_schedules",
         "runs Megatron-Core's own schedule tests from Megatron-LM sources: "
         "tests/test_upstream_schedules.py does where MEGATRON_LM_ARCHIVES is set",
     ),
@@ -175,7 +175,7 @@ def test_readme_example_commands_parse(script):
 
 @pytest.mark.unit
 def test_readme_audit_commands_parse():
-    from megatron_lossfix.audit_options import add_audit_args
+    from megatron_lossfix.audit.options import add_audit_args
 
     runs = [c for c in COMMANDS if "megatron_lossfix audit" in c]
     assert runs

@@ -46,8 +46,8 @@ def _run_recipe(code: str, argv: list[str], m: int = 3) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
-    from megatron_lossfix.testing.tiny_gpt import (
+    from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.tiny_gpt import (
         Layout,
         build_tiny_gpt,
         gather_full_grads,

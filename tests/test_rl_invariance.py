@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lossfix.testing.matrix import check_layout
-from megatron_lossfix.testing.oracle import OracleCase, layout_grads
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.matrix import check_layout
+from megatron_lossfix.audit.oracle import OracleCase, layout_grads
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
 

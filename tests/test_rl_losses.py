@@ -1,7 +1,7 @@
 """RL losses vs independent plain-PyTorch references (Liger-Kernel style).
 
 Every reference below is written from the formulas with explicit per-element / per-sequence loops
-and Python branches, sharing no code with ``megatron_lossfix.rl_losses``. Values and gradients
+and Python branches, sharing no code with ``megatron_lossfix.rl.objective``. Values and gradients
 (``torch.autograd.grad``) are compared over odd shapes and dtypes. Inputs are built from a menu of
 ratios kept away from the clip boundaries, so bf16 rounding cannot flip a clip decision.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_lossfix.rl_losses import (
+from megatron_lossfix.rl.objective import (
     RLObjective,
     grpo_advantages,
     gspo_token_loss,

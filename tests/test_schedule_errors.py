@@ -10,9 +10,10 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_lossfix import LossFixConfig, weighted_loss, weighted_sum
-from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix import LossFixConfig, weighted_loss
+from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+from megatron_lossfix.audit.tiny_gpt import Layout
+from megatron_lossfix.losses import weighted_sum
 
 pytestmark = pytest.mark.oracle
 
@@ -55,8 +56,8 @@ def _step(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
     from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.testing.tiny_gpt import build_tiny_gpt, init_layout
 
     global SECOND_TOKEN
     init_layout(Layout())

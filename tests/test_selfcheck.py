@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_lossfix.args import add_lossfix_args
+from megatron_lossfix.audit.tiny_gpt import Layout
 from megatron_lossfix.selfcheck import SelfCheckError, SelfCheckingSchedule, with_self_check
-from megatron_lossfix.testing.tiny_gpt import Layout
 
 # ------------------------------------------------------------------------------ skipping
 
@@ -151,8 +151,8 @@ def _check_on_rank(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_lossfix import LossFixConfig, LossFixSchedule
-    from megatron_lossfix.testing.oracle import OracleCase, make_global_batch, microbatch_plan
-    from megatron_lossfix.testing.tiny_gpt import (
+    from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.tiny_gpt import (
         build_tiny_gpt,
         gather_full_grads,
         init_layout,

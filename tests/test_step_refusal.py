@@ -13,8 +13,7 @@ waiting in Megatron's point-to-point or DDP's all-reduce.
 from __future__ import annotations
 
 import pytest
-
-from megatron_lossfix.testing.refusal import refusal_case
+from helpers.refusal import refusal_case
 
 pytestmark = pytest.mark.oracle
 

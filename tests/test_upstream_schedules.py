@@ -5,7 +5,7 @@ installed megatron-core's release series is unpacked, or those of ``MEGATRON_LM_
 pytest-mock, and for tags >= 0.19 Megatron-LM's training dependencies (its ``test_utilities``
 imports ``megatron.training``); skips without them. Runs the tree's
 ``tests/unit_tests/pipeline_parallel/test_schedules.py`` under torchrun with 8 ranks on gloo
-through :mod:`megatron_lossfix.testing.upstream_schedules`, once stock and once with
+through :mod:`helpers.upstream_schedules`, once stock and once with
 ``LossFixSchedule(LossFixConfig(reduction="off"), forward_backward_func=<stock>)`` in place of
 each of the three schedules; every test must end the same way on every rank in both runs (the
 custom-process-group tests left out on gloo, see ``DESELECT``).
@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from megatron_lossfix.testing.megatron_lm_run import (
+from helpers.megatron_lm_run import (
     archives_folder,
     skip_reason,
     tags_to_test,
@@ -58,15 +57,19 @@ def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]
         **os.environ,
         "LOSSFIX_SWAP": swap,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        "PYTHONPATH": os.pathsep.join(  # the package, and tests/ for helpers.upstream_schedules
+            [
+                str(Path(__file__).resolve().parents[1]),
+                str(Path(__file__).resolve().parent),
+                os.environ.get("PYTHONPATH", ""),
+            ]
         ),
     }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
         "--master-port", str(next(_PORTS)), "-m", "pytest", "-q", "-rA", "-o", "addopts=",
         "--noconftest", "-p", "no:cacheprovider",
-        "-p", "megatron_lossfix.testing.upstream_schedules", "-k", DESELECT, test,
+        "-p", "helpers.upstream_schedules", "-k", DESELECT, test,
     ]  # fmt: skip
     out = subprocess.run(
         cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800

@@ -1,6 +1,6 @@
 """The gradient oracle: one training step under a parallel layout versus a one-rank reference.
 
-``layout_grads`` runs inside every rank of a :class:`~megatron_lossfix.testing.pool.DistPool`
+``layout_grads`` runs inside every rank of a :class:`~megatron_lossfix.audit.pool.DistPool`
 call: it builds the tiny GPT for the layout, gives it the same global weights as any other
 layout, feeds this rank's share of one deterministic global batch through the plugin's schedule
 for each requested mode, and gathers the full gradient on global rank 0 (optionally also the
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.testing.oracle_case import OracleCase, make_global_batch, microbatch_plan
+from megatron_lossfix.audit.oracle_case import OracleCase, make_global_batch, microbatch_plan
 
 __all__ = [
     "OracleCase",
@@ -64,7 +64,7 @@ def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch
     """The full RL objective of one micro-batch: (weighted sum, num_tokens, stats)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.rl_losses import rl_loss
+    from megatron_lossfix.rl.objective import rl_loss
 
     cp = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
     return rl_loss(
@@ -191,10 +191,10 @@ def layout_grads(
     step's ``"grad_norm"`` and each weight's ``"update"`` (None on other ranks)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_lossfix.audit import tiny_gpt
+    from megatron_lossfix.audit.training import train_step
     from megatron_lossfix.config import LossFixConfig
     from megatron_lossfix.schedule import LossFixSchedule
-    from megatron_lossfix.testing import tiny_gpt
-    from megatron_lossfix.training import train_step
 
     tiny_gpt.init_layout(layout)
     # Looked up on the module when called: tests may wrap it to inspect the chunks.
@@ -281,8 +281,7 @@ def reference_grads(
     ``token_mean_legacy`` (see :func:`_reference_weights`). ``off`` is compared with
     ``token_mean``. Must run on a rank whose process group has exactly one rank.
     """
-    from megatron_lossfix.losses import weighted_sum
-    from megatron_lossfix.testing.tiny_gpt import (
+    from megatron_lossfix.audit.tiny_gpt import (
         Layout,
         build_tiny_gpt,
         gather_full_grads,
@@ -290,6 +289,7 @@ def reference_grads(
         init_layout,
         set_deterministic_params,
     )
+    from megatron_lossfix.losses import weighted_sum
 
     layout = Layout()
     init_layout(layout)

@@ -3,7 +3,7 @@
 A matrix layout is named by a small grammar, ``tp2-pp2-dp2-m3`` (see :func:`parse_layout`);
 ``INVARIANCE_LAYOUTS`` is the matrix the tests run, and the audit's defaults are a subset of it.
 
-The driver runs a layout's training step in a :class:`~megatron_lossfix.testing.pool.DistPool`
+The driver runs a layout's training step in a :class:`~megatron_lossfix.audit.pool.DistPool`
 (``oracle.layout_grads``) and compares every mode with its one-rank reference
 (``oracle.reference_grads``). References are computed once per distinct (case, mode, plan) and
 reused by every layout that needs them: only ``token_mean_legacy`` depends on how the step is cut
@@ -17,14 +17,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lossfix.testing.oracle import (
+from megatron_lossfix.audit.oracle import (
     OracleCase,
     layout_grads,
     microbatch_plan,
     reference_grads,
     relative_error,
 )
-from megatron_lossfix.testing.tiny_gpt import Layout
+from megatron_lossfix.audit.tiny_gpt import Layout
 
 __all__ = [
     "AUDIT_LAYOUTS",

@@ -15,8 +15,8 @@ The patch itself stays a handful of lines; the code lives here:
   ``[contribution, indicator]``: the contributions add up to the step's loss L (docs/design.md
   §2) and the indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged
   ``lm loss`` is L.
-- :func:`enable_cpu_megatron_lm` (from :mod:`megatron_lossfix.cpu_megatron_lm`, re-exported for
-  the patch) runs Megatron-LM's training loop on a machine without CUDA (gloo).
+- :func:`enable_cpu_megatron_lm` (from :mod:`.cpu_megatron_lm`, re-exported for the patch) runs
+  Megatron-LM's training loop on a machine without CUDA (gloo).
 
 With ``--loss-reduction`` absent nothing here touches the training step; with ``off`` the step
 is stock Megatron (the metrics record holds the loss Megatron-LM logs, no counts).
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.cpu_megatron_lm import enable_cpu_megatron_lm
+from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
 from megatron_lossfix.schedule import LossFixSchedule

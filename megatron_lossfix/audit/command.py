@@ -9,7 +9,7 @@ all, which shows that the check can fail. The run prints a table, writes ``DIR/a
 ``DIR/audit.png`` (when matplotlib is installed), and exits 1 when any plugin mode misses the
 tolerance.
 
-The ranks are CPU worker processes talking over gloo (``megatron_lossfix.testing.pool``), on any
+The ranks are CPU worker processes talking over gloo (``megatron_lossfix.audit.pool``), on any
 machine: no GPU is needed, and a GPU present is not used, so results do not depend on hardware.
 """
 
@@ -26,7 +26,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from megatron_lossfix.audit_options import (
+from megatron_lossfix.audit.matrix import (
+    LAYOUT_PRESETS,
+    check_layout,
+    compute_references,
+    parse_layout,
+    reference_jobs,
+)
+from megatron_lossfix.audit.options import (
     DEFAULT_LAYOUTS,
     MODEL_SIZES,
     AuditLayout,
@@ -36,16 +43,9 @@ from megatron_lossfix.audit_options import (
     options_json,
     validate_options,
 )
-from megatron_lossfix.audit_report import AuditReport, Progress, format_table, plot_report
-from megatron_lossfix.testing.matrix import (
-    LAYOUT_PRESETS,
-    check_layout,
-    compute_references,
-    parse_layout,
-    reference_jobs,
-)
-from megatron_lossfix.testing.oracle import OracleCase, layout_grads
-from megatron_lossfix.testing.pool import DistPool
+from megatron_lossfix.audit.oracle import OracleCase, layout_grads
+from megatron_lossfix.audit.pool import DistPool
+from megatron_lossfix.audit.report import AuditReport, Progress, format_table, plot_report
 
 __all__ = [
     "DEFAULT_LAYOUTS",

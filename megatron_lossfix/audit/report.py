@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 import megatron_lossfix
 
 if TYPE_CHECKING:
-    from megatron_lossfix.testing.matrix import MatrixLayout, ReferenceJob
+    from megatron_lossfix.audit.matrix import MatrixLayout, ReferenceJob
 
 __all__ = ["AuditReport", "Progress", "format_table", "plot_report"]
 

@@ -16,7 +16,7 @@ For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
   which tags a test session runs (``MEGATRON_LM_TAGS``, else the tag of the installed
   megatron-core's release series).
 
-    python -m megatron_lossfix.testing.megatron_lm_run write-data /tmp/lf/padded PATH_TO_MEGATRON_LM
+    cd tests && python -m helpers.megatron_lm_run write-data OUT/padded PATH_TO_MEGATRON_LM
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lossfix import patches
+from megatron_lossfix.integrations import patches
 
 __all__ = [
     "RunResult",
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: Environment variable naming a folder of Megatron-LM source archives, ``<tag>.tar.gz``, each
-#: unpacking to ``Megatron-LM/`` (CI sets it to ``../shared/megatron-lm``).
+#: unpacking to ``Megatron-LM/`` (``.ci/run`` sets it).
 ARCHIVES_ENV = "MEGATRON_LM_ARCHIVES"
 #: Optional: comma-separated tags to test (or ``all``) instead of the installed release's tag.
 TAGS_ENV = "MEGATRON_LM_TAGS"
@@ -327,8 +327,5 @@ def unpack_tag(folder: str | os.PathLike, tag: str, dest: str | os.PathLike) -> 
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "write-data":
-        sys.exit(
-            "usage: python -m megatron_lossfix.testing.megatron_lm_run write-data PREFIX "
-            "MEGATRON_LM_PATH"
-        )
+        sys.exit("usage: python -m helpers.megatron_lm_run write-data PREFIX MEGATRON_LM_PATH")
     print(write_padded_dataset(sys.argv[2], eod=checkout_null_tokenizer_eod(sys.argv[3])))

@@ -10,7 +10,7 @@ way; this module is that way, written once:
 * :func:`gpt_model_provider`: a Megatron-LM style ``model_provider(pre_process, post_process,
   vp_stage=None)``; :func:`build_model` calls it per virtual pipeline stage and wraps the chunks
   in Megatron DDP;
-* :func:`set_deterministic_params` (from :mod:`megatron_lossfix.seeded_params`): the same
+* :func:`set_deterministic_params` (from :mod:`megatron_lossfix.audit.seeded_params`): the same
   global weights under every layout, seeded by parameter name, so that runs of different
   layouts can be compared step by step;
 * :func:`train_step`: zero the gradients, run a ``forward_backward_func`` (the plugin's
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.audit.seeded_params import set_deterministic_params
 from megatron_lossfix.cpu_compat import is_cpu_mode
-from megatron_lossfix.seeded_params import set_deterministic_params
 
 __all__ = [
     "Layout",

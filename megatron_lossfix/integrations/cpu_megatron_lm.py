@@ -2,7 +2,7 @@
 
 What Megatron-LM's training package needs beyond the Megatron-Core CPU mode
 (:mod:`megatron_lossfix.cpu_compat`). Our Megatron-LM patch calls
-:func:`enable_cpu_megatron_lm` (through :mod:`megatron_lossfix.megatron_lm`) before
+:func:`enable_cpu_megatron_lm` (through :mod:`megatron_lossfix.integrations.megatron_lm`) before
 ``pretrain()``; on a machine with CUDA it does nothing.
 """
 

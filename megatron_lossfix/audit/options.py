@@ -8,14 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from megatron_lossfix.config import MODES
-from megatron_lossfix.testing.matrix import (
+from megatron_lossfix.audit.matrix import (
     AUDIT_LAYOUTS,
     LAYOUT_PRESETS,
     MatrixLayout,
     parse_layout,
 )
-from megatron_lossfix.testing.oracle import OracleCase
+from megatron_lossfix.audit.oracle import OracleCase
+from megatron_lossfix.config import MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",

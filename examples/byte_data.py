@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +37,8 @@ __all__ = [
 
 DEFAULT_SEQ_LENGTH = 128
 
-# The embedded corpus, shipped as package data (setup.py: package_data "data/*.jsonl").
-_DEFAULT_CORPUS = "data/default_corpus.jsonl"
+# The embedded corpus, beside this module.
+_DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "default_corpus.jsonl"
 
 
 class ByteTokenizer:
@@ -102,8 +102,8 @@ def load_records(path: str | None) -> list[dict]:
     file without records raise ``ValueError`` naming the file (and line).
     """
     if path is None:
-        name = f"megatron_lossfix/{_DEFAULT_CORPUS}"
-        text = resources.files("megatron_lossfix").joinpath(_DEFAULT_CORPUS).read_text("utf-8")
+        name = "examples/data/default_corpus.jsonl"
+        text = _DEFAULT_CORPUS.read_text("utf-8")
     else:
         name = str(path)
         with open(path, "rb") as f:

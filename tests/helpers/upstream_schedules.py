@@ -4,8 +4,8 @@ Megatron-LM's ``tests/unit_tests/pipeline_parallel/test_schedules.py`` (any supp
 from a Megatron-LM checkout, one pytest per rank under torchrun::
 
     cd MEGATRON_LM_CHECKOUT
-    LOSSFIX_SWAP=off torchrun --nproc-per-node 8 -m pytest -o addopts= --noconftest \\
-        -p megatron_lossfix.testing.upstream_schedules \\
+    LOSSFIX_SWAP=off PYTHONPATH=MEGATRON_LOSSFIX_REPO/tests torchrun --nproc-per-node 8 \\
+        -m pytest -o addopts= --noconftest -p helpers.upstream_schedules \\
         tests/unit_tests/pipeline_parallel/test_schedules.py
 
 ``LOSSFIX_SWAP`` picks what the tests call: ``stock`` (Megatron's schedules, for the baseline) or

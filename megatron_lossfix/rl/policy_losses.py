@@ -1,6 +1,6 @@
 """Per-token policy-gradient losses: PPO (with asymmetric and dual clipping), GSPO's sequence
-ratio, and the k1/k2/k3 KL penalties -- the pieces :func:`megatron_lossfix.rl_losses.rl_objective`
-assembles.
+ratio, and the k1/k2/k3 KL penalties -- the pieces
+:func:`megatron_lossfix.rl.objective.rl_objective` assembles.
 
 Each returns a per-token ``[b, s]`` quantity (Tinker semantics, docs/design.md §2): the step's
 loss is its plain weighted sum with the plugin's per-token weights, never a mean. Ratios and

@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.megatron_lm import (
+from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MasksToDevice,
     MegatronLMLossFix,
     record_numbers,
 )
+from megatron_lossfix.megatron_compat import StepGroups
 
 __all__ = [
     "BridgeLossFix",

@@ -1,7 +1,7 @@
 """The harness's tiny Megatron-Core GPT, under any parallel layout, and its full gradients.
 
 For gradient-oracle tests (docs/design.md §8), called inside `DistPool` workers (or any process
-group). The model is built the way the examples build theirs (`megatron_lossfix.training`: a
+group). The model is built the way the examples build theirs (`megatron_lossfix.audit.training`: a
 TransformerConfig and a layer spec, a model provider, Megatron DDP); this module only describes
 the tiny model (:class:`TinyGPT`) and adds what tests need beyond training:
 `gather_full_grads` (`gather_full_params`) reassembles the full, unsharded gradient (parameters)
@@ -15,13 +15,14 @@ layouts are Megatron's checkpoint layouts, so a 1-rank model and any sharded one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.seeded_params import canonical_params, set_deterministic_params
-from megatron_lossfix.training import (
+from megatron_lossfix.audit.seeded_params import canonical_params, set_deterministic_params
+from megatron_lossfix.audit.training import (
     Layout,
     build_model,
     gpt_layer_spec,
@@ -79,8 +80,9 @@ class TinyGPT:
     """DDP buffers laid out for Megatron's distributed optimizer."""
     bucket_size: int | None = None
     """DDP bucket size in elements; None: Megatron's default."""
-    lora_rank: int | None = None
-    """With a rank: a frozen base and LoRA adapters (``megatron_lossfix.lora``)."""
+    model_hook: Callable[[torch.nn.Module], None] | None = None
+    """Called on each bare chunk before the DDP wrap (e.g. to add adapters); picklable, since the
+    pool's ranks receive it."""
     transformer_impl: str = "local"
     """``local`` or ``transformer_engine`` (CUDA only)."""
     bf16: bool = False
@@ -148,16 +150,8 @@ class TinyGPT:
             # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
             grad_reduce_in_fp32=self.bf16,
         )
-        chunks = build_model(provider, config, ddp_config, model_hook=self._lora_hook())
+        chunks = build_model(provider, config, ddp_config, model_hook=self.model_hook)
         return chunks, config
-
-    def _lora_hook(self) -> Any:
-        if not self.lora_rank:
-            return None
-        from megatron_lossfix.lora import apply_lora
-
-        rank = self.lora_rank
-        return lambda model: apply_lora(model, rank=rank)
 
 
 _TINY_GPT_FIELDS = frozenset(f.name for f in dataclasses.fields(TinyGPT)) - {"config_overrides"}

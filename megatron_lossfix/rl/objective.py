@@ -1,6 +1,6 @@
 """The RL objective (:class:`RLObjective`, :func:`rl_objective`), its Megatron ``loss_func``
 (:func:`rl_loss`) and GRPO advantages. The per-token policy losses it assembles (PPO, dual-clip
-PPO, GSPO, KL penalties) are in :mod:`megatron_lossfix.policy_losses`, re-exported here.
+PPO, GSPO, KL penalties) are in :mod:`megatron_lossfix.rl.policy_losses`, re-exported here.
 
 Tinker semantics (docs/design.md §2): every loss here is a per-token quantity, and the step's loss
 is the plain weighted sum ``sum(weights * per_token_loss)`` with the plugin's globally normalized
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.logprobs import vocab_parallel_logprobs_entropy
-from megatron_lossfix.policy_losses import (
+from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
+from megatron_lossfix.rl.policy_losses import (
     KL_KINDS,
     POLICY_LOSSES,
     at_least_fp32,
@@ -112,7 +112,7 @@ def rl_objective(
             entropy bonus).
         ref_logprobs: ``[b, s]`` reference-policy log-probs, for the KL penalty.
         entropy: per-token entropy ``[b, s]`` (e.g. from
-            :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy`), for the bonus.
+            :func:`megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy`), for the bonus.
         cp_group: GSPO's sequence ratio when sequences are split over context-parallel ranks.
 
     Returns:
@@ -229,7 +229,7 @@ def rl_loss(
     under ``off``, where the loss mask is the weight), ``old_logprobs`` and ``advantages``;
     optionally ``ref_logprobs`` (for a KL term) and ``has_old_logprobs`` (0 where no old
     log-prob was recorded: the current one, detached, stands in, ratio 1). Log-probs and
-    entropies come from :func:`megatron_lossfix.logprobs.vocab_parallel_logprobs_entropy` of
+    entropies come from :func:`megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy` of
     ``logits / temperature`` (TP-correct); ``objective`` is an :class:`RLObjective` (or the keyword
     arguments of one, as flags give them). Returns Megatron's 3-tuple ``(sum(w * objective),
     loss tokens on this rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.

@@ -1,6 +1,6 @@
 """Break one rank's step and record how, and when, every rank of the step ends.
 
-``refusal_case`` runs on the ranks of a :class:`~megatron_lossfix.testing.pool.DistPool` call:
+``refusal_case`` runs on the ranks of a :class:`~megatron_lossfix.audit.pool.DistPool` call:
 one training step of the tiny GPT under PP2 x DP2 (world 4) through ``LossFixSchedule``, with the
 loss-stage input of one rank (by default global rank 3: last pipeline stage, DP rank 1) broken
 in the way ``case`` names. Each rank returns ``(outcome, message, seconds)``: the exception class
@@ -20,11 +20,11 @@ from functools import partial
 from typing import Any
 
 from megatron_lossfix.agreement import VECTOR_LEN
+from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
+from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.testing.oracle import OracleCase, make_global_batch
-from megatron_lossfix.testing.tiny_gpt import Layout, build_tiny_gpt, init_layout
 
 CASES = (
     "missing-mask",

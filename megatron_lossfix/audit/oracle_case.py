@@ -2,7 +2,7 @@
 batch of variable-length sequences, and how a layout cuts that batch into micro-batches.
 
 Everything here is layout-independent, so a layout run and its one-rank reference see the same
-data; :mod:`megatron_lossfix.testing.oracle` runs both.
+data; :mod:`megatron_lossfix.audit.oracle` runs both.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class OracleCase:
     per_token: bool = False
     """Megatron's ``calculate_per_token_loss``."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra :class:`~megatron_lossfix.testing.tiny_gpt.TinyGPT` fields (experts,
+    """Extra :class:`~megatron_lossfix.audit.tiny_gpt.TinyGPT` fields (experts,
     no_attention, ...) or TransformerConfig fields."""
     schedule_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``LossFixConfig`` fields."""

@@ -1,0 +1,3 @@
+"""Test-only helpers: our LoRA layer, the refusal cases, Megatron-LM runs, and the pytest plugin
+that swaps the plugin into Megatron-Core's own schedule tests. Imported as ``helpers.*`` (pytest
+puts ``tests/`` on ``sys.path``)."""
