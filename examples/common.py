@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -415,6 +416,40 @@ def _layout_of(args: argparse.Namespace) -> tuple[Layout, int | None]:
     return layout, vpp
 
 
+def stock_reported(batch: dict, loss_func: Callable) -> Callable:
+    """``loss_func``, and under ``off`` (no weights in ``batch``) one whose report also carries
+    what :meth:`ExampleRun.train_step` needs to log stock Megatron's loss: under ``off`` the
+    plugin sees nothing of the step but these reports."""
+    return loss_func if "loss_weights" in batch else functools.partial(_stock_report, loss_func)
+
+
+def _stock_report(loss_func: Callable, output: torch.Tensor) -> tuple:
+    loss, num_tokens, report = loss_func(output)
+    # Copies: Megatron scales the returned loss in place after this call.
+    total, n = loss.detach().double(), num_tokens.detach().double()
+    return (
+        loss,
+        num_tokens,
+        {
+            **report,
+            "stock_mean_sum": total / n.clamp(min=1),  # this micro-batch's token mean
+            "stock_mean_count": torch.ones_like(n),
+            "stock_token_sum": total,
+            "num_tokens_sum": n,
+        },
+    )
+
+
+def _stock_metrics(metrics: dict, per_token: bool) -> dict:
+    """``off``: stock Megatron's loss from the reports of :func:`stock_reported`: the mean of
+    the per-micro-batch token means over micro-batches and DP x CP ranks (Megatron's default
+    path), or the step's token sum over its tokens (``calculate_per_token_loss``)."""
+    mean_sum, count = metrics.pop("stock_mean_sum"), metrics.pop("stock_mean_count")
+    token_sum, tokens = metrics.pop("stock_token_sum"), metrics.pop("num_tokens_sum")
+    loss = token_sum / max(tokens, 1.0) if per_token else mean_sum / count
+    return {**metrics, "loss": loss, "num_tokens": tokens}
+
+
 @dataclass
 class ExampleRun:
     """One training run of an example script: process groups, model chunks, optimizer, the
@@ -525,7 +560,10 @@ class ExampleRun:
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
         )
-        return result.grad_norm, self.schedule.step_metrics()
+        metrics = self.schedule.step_metrics()
+        if self.config.reduction == "off":
+            metrics = _stock_metrics(metrics, self.model_config.calculate_per_token_loss)
+        return result.grad_norm, metrics
 
     def report(
         self,
@@ -550,7 +588,8 @@ class ExampleRun:
             "loss": metrics["loss"],
             "grad_norm": grad_norm,
             "num_tokens": int(metrics["num_tokens"]),
-            "num_sequences": int(metrics["num_sequences"]),
+            # `off` shows no sequence count (the plugin does not look at its batches).
+            "num_sequences": int(metrics["num_sequences"]) if "num_sequences" in metrics else None,
             "step_time_s": step_time,
             "reduction": self.config.reduction,
             # Each MTP layer's loss, normalized like the main loss (plugin modes).

@@ -74,6 +74,7 @@ from common import (  # noqa: E402
     non_negative_float,
     one_line_errors,
     positive_int,
+    stock_reported,
 )
 
 from megatron_lossfix.args import positive_float  # noqa: E402
@@ -417,7 +418,7 @@ def forward_step(ctx: LossContext, data_iterator, model):
         temperature=args.temperature,
         objective=objective,
     )
-    return output, loss_func
+    return output, stock_reported(batch, loss_func)
 
 
 def rl_metrics(metrics: dict, reduction: str, has_ref: bool) -> dict:

@@ -92,9 +92,9 @@ def global_batch(iteration: int) -> list[dict]:
 
 
 def forward_step(data_iterator, model):
-    batch = next(data_iterator)  # the plugin put the step's weights in it
+    batch = next(data_iterator)  # the plugin put the step's weights in it (`off`: the mask is)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(lossfix.weighted_loss, batch["loss_weights"])
+    return output, partial(lossfix.weighted_loss, batch.get("loss_weights", batch["loss_mask"]))
 
 
 for iteration in range(1, args.train_iters + 1):
@@ -114,6 +114,7 @@ for iteration in range(1, args.train_iters + 1):
     _, grad_norm, _ = optimizer.step()
     metrics = schedule.step_metrics()  # global: the same on every rank
     if dist.get_rank() == 0:  # one JSON line per step
-        line = dict(iteration=iteration, loss=metrics["loss"], grad_norm=grad_norm)
-        print(json.dumps({**line, "num_tokens": int(metrics["num_tokens"])}), flush=True)
+        # `off` reports only what the loss function did (here nothing): no loss, no tokens.
+        line = dict(iteration=iteration, loss=metrics.get("loss"), grad_norm=grad_norm)
+        print(json.dumps({**line, "num_tokens": metrics.get("num_tokens")}), flush=True)
 dist.destroy_process_group()

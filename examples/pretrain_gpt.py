@@ -42,6 +42,7 @@ from common import (  # noqa: E402
     check_launch,
     data_log_items,
     one_line_errors,
+    stock_reported,
 )
 
 PROG = "pretrain_gpt.py"
@@ -80,7 +81,9 @@ def forward_step(cp_group, data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(weighted_loss, batch.get("loss_weights"))
+    # Under `off` no weights come in: the mask is stock's weight.
+    loss_func = partial(weighted_loss, batch.get("loss_weights", batch["loss_mask"]))
+    return output, stock_reported(batch, loss_func)
 
 
 def _load(path: str | None) -> list[dict]:

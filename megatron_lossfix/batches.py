@@ -30,7 +30,7 @@ from megatron_lossfix.agreement import (
     refuse_sharded_mtp,
 )
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.megatron_compat import StepGroups, slice_batch_for_cp
+from megatron_lossfix.megatron_compat import StepGroups, slice_batch_for_cp, undo_mtp_averaging
 from megatron_lossfix.mtp import MTPStep, install_hooks
 from megatron_lossfix.reduction import (
     StepCounts,
@@ -302,13 +302,9 @@ class MTPLayout:
 
     def factor(self) -> torch.Tensor | float:
         """What undoes Megatron's averaging of the MTP loss."""
-        if self.per_token:
-            # finalize_model_grads divides every gradient by the all-reduced num_tokens, N.
-            return self.num_tokens.to(torch.float32)
-        # The schedule scales the MTP loss by 1/M (by no CP factor, unlike the main loss)
-        # and DDP divides the gradient by D * cp.
-        groups = self.groups
-        return float(self.num_microbatches * groups.dp_size * groups.cp_size)
+        return undo_mtp_averaging(
+            self.per_token, self.num_tokens, self.num_microbatches, self.groups
+        )
 
 
 def mtp_step(

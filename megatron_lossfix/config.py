@@ -59,7 +59,8 @@ class LossFixConfig:
     check_finite: bool = False
     """Raise, naming the micro-batch and the tensor, when a floating-point input of a
     micro-batch (advantages, old or reference log-probs, ...), its loss or a report entry is
-    NaN or Inf (device syncs per micro-batch: for debugging runs, off by default)."""
+    NaN or Inf (device syncs per micro-batch: for debugging runs, off by default). Plugin modes
+    only: ``off`` looks at nothing of the step."""
 
     def __post_init__(self) -> None:
         # The one validation of the settings: the flags (``args.from_args``) come through here

@@ -1,7 +1,8 @@
 """Loss functions with Tinker semantics: plain weighted sums of per-token losses.
 
 Megatron's pipeline schedule calls ``loss_func(output_tensor)``; bind the micro-batch's weights
-first: ``partial(weighted_loss, batch["loss_weights"])``. The weights already hold the step's
+first: ``partial(weighted_loss, batch.get("loss_weights", batch["loss_mask"]))`` (under ``off``
+no weights come in, and the mask is stock's weight). The weights already hold the step's
 normalization, so every function here returns ``sum(w * l)``, never a mean.
 """
 

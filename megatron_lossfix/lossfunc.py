@@ -17,6 +17,7 @@ import torch
 from megatron_lossfix.agreement import LOSS_FUNC, MTP_PROBLEM, LocalProblem, default_device
 from megatron_lossfix.batches import StepIterator
 from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.megatron_compat import undo_averaging
 from megatron_lossfix.metrics import StepState
 from megatron_lossfix.mtp import active
 
@@ -27,11 +28,9 @@ def loss_scale(state: StepState) -> torch.Tensor | float | None:
     """What each micro-batch's ``sum(w * l)`` is multiplied by (None: handed on unchanged)."""
     if state.passthrough:
         return None
-    if state.per_token:
-        # Megatron divides the summed gradient by the all-reduced num_tokens, which is N.
-        return state.counts.num_tokens.to(torch.float32)
-    # The schedule multiplies by cp/M and DDP divides by D*cp: undo both.
-    return float(state.num_microbatches * state.groups.dp_size)
+    return undo_averaging(
+        state.per_token, state.counts.num_tokens, state.num_microbatches, state.groups
+    )
 
 
 def wrap_forward_step(

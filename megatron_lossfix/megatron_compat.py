@@ -13,7 +13,9 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
   :func:`null_tokenizer_eod` asks the installed class.
 
 Also here, because the math layer (``reduction``, ``losses``, ...) never imports Megatron: the
-step's process groups (:func:`resolve_groups`).
+step's process groups (:func:`resolve_groups`) and the factors that undo Megatron's averaging
+of a loss (:func:`undo_averaging`, :func:`undo_mtp_averaging`), which the suite pins per
+release (``tests/test_megatron_averaging.py``).
 
 Megatron is imported inside the functions, so importing this module stays cheap. A release
 outside the tested range warns once (:func:`warn_if_untested`) and names the command that
@@ -30,13 +32,18 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from packaging.version import Version
+
+from megatron_lossfix.reduction import group_size
 
 __all__ = [
     "TESTED_RANGE",
     "StepGroups",
     "group_size",
+    "undo_averaging",
+    "undo_mtp_averaging",
     "megatron_core_version",
     "null_tokenizer_eod",
     "resolve_groups",
@@ -112,9 +119,26 @@ class StepGroups:
         return self.pp is None or dist.get_rank(self.pp) == group_size(self.pp) - 1
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
-    return 1 if group is None else dist.get_world_size(group)
+def undo_averaging(
+    per_token: bool, num_tokens: torch.Tensor, num_microbatches: int, groups: StepGroups
+) -> torch.Tensor | float:
+    """What the main loss's ``sum(w * l)`` is multiplied by so that Megatron's averaging leaves
+    it whole: with ``calculate_per_token_loss`` Megatron divides every gradient by the
+    all-reduced token count, N; else the schedule multiplies the loss by cp/M and DDP divides
+    the gradient by D x cp, so M x D."""
+    if per_token:
+        return num_tokens.to(torch.float32)
+    return float(num_microbatches * groups.dp_size)
+
+
+def undo_mtp_averaging(
+    per_token: bool, num_tokens: torch.Tensor, num_microbatches: int, groups: StepGroups
+) -> torch.Tensor | float:
+    """The same for an MTP layer's loss: N on the per-token path; else the schedule scales the
+    MTP loss by 1/M (no CP factor, unlike the main loss) and DDP divides by D x cp."""
+    if per_token:
+        return num_tokens.to(torch.float32)
+    return float(num_microbatches * groups.dp_size * groups.cp_size)
 
 
 def resolve_groups(pg_collection: Any = None) -> StepGroups:

@@ -34,6 +34,7 @@ __all__ = [
     "check_reduction",
     "count_tokens",
     "float_masks",
+    "group_size",
     "loss_weights",
     "norm_constant_misplaced",
     "segment_ids",
@@ -73,8 +74,6 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch over all CP shards, ``[M]``."""
     dp_size: int
     """D: data-parallel size (without context parallelism)."""
-    piggyback: torch.Tensor | None = None
-    """The caller's extra values, summed over DP in the same all-reduce (see count_tokens)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -178,7 +177,8 @@ def bad_mask_message(k: int) -> str:
     )
 
 
-def _group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -190,15 +190,12 @@ def count_tokens(
     cp_group: dist.ProcessGroup | None = None,
     segment_ids: Sequence[torch.Tensor | None] | None = None,
     num_segments: Sequence[int | None] | None = None,
-    piggyback: torch.Tensor | None = None,
 ) -> StepCounts:
     """Count loss tokens per sequence, micro-batch and step, reduced over CP then DP.
 
     ``masks`` are float32 ``[batch, seq]``. Sequences are the rows, unless ``segment_ids[k]``
     (long, same shape as the mask) assigns each token to one of ``num_segments[k]`` packed
     sequences. ``global_counts=False`` skips the DP all-reduce (modes that need no global N/S).
-    ``piggyback`` (float64 vector) is summed over DP in the same all-reduce as N and S and
-    returned as ``StepCounts.piggyback``: the schedule's cross-rank checks cost no collective.
     """
     seq_local = []
     for k, mask in enumerate(masks):
@@ -211,7 +208,7 @@ def count_tokens(
             seq_local.append(counts.index_add_(0, seg.reshape(-1), values))
     sizes = [c.numel() for c in seq_local]
     flat = torch.cat(seq_local)
-    if _group_size(cp_group) > 1:
+    if group_size(cp_group) > 1:
         # A sequence's tokens are spread over the CP ranks: n_s is their sum.
         dist.all_reduce(flat, group=cp_group)
     seq_tokens = list(torch.split(flat, sizes))
@@ -219,17 +216,14 @@ def count_tokens(
     # After the CP reduction every CP rank holds identical n_s, so N and S are summed over DP
     # only: each sequence is counted once.
     totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
-    if piggyback is not None:
-        totals = torch.cat([totals, piggyback.to(device=totals.device, dtype=_COUNT_DTYPE)])
-    if global_counts and _group_size(dp_group) > 1:
+    if global_counts and group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
     return StepCounts(
         num_tokens=totals[0],
         num_sequences=totals[1],
         seq_tokens=seq_tokens,
         mb_tokens=mb_tokens,
-        dp_size=_group_size(dp_group),
-        piggyback=totals[2:],
+        dp_size=group_size(dp_group),
     )
 
 

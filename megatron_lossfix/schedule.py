@@ -3,11 +3,12 @@
 ``LossFixSchedule(config)(forward_step_func=..., data_iterator=..., model=..., ...)`` takes the
 same keyword arguments as the function returned by ``get_forward_backward_func()``.
 
-With ``reduction="off"`` it is stock Megatron: the wrapped function is called with the caller's
-arguments, nothing is communicated and nothing is required of the batches, the loss tuple, the
-iterator or the model config. It only looks on (the loss tuples Megatron receives, and loss masks
-where the micro-batches are dicts holding one, which it also hands to the loss function as
-``batch[config.weights_key]``) so that ``step_metrics()`` can report what it could see.
+With ``reduction="off"`` it is stock Megatron, literally: the wrapped function gets the caller's
+own ``forward_step_func``, ``data_iterator``, ``model`` and other arguments, and its result is
+returned unchanged. Nothing is communicated, looked at or put into the batches (there is no
+``batch[config.weights_key]``: a ``forward_step`` written for the plugin reads
+``batch.get("loss_weights", batch["loss_mask"])`` to keep working). ``step_metrics()`` reads what
+Megatron returned.
 
 With a plugin mode, per step it:
 
@@ -46,7 +47,7 @@ User loss functions follow Tinker semantics: they return ``(sum(weights * per_to
 report)`` using the weights found in their micro-batch. Nothing inside the micro-batch loop
 synchronizes with the host.
 
-The step's parts live in their own modules: ``stock`` (``off``), ``batches`` (reading the loss
+The step's parts live in their own modules: ``batches`` (reading the loss
 stage's micro-batches, building their weights), ``agreement`` (the two agreements, with the
 counts), ``lossfunc`` (checking and rescaling the loss tuples). Each step builds one record,
 :class:`~megatron_lossfix.metrics.StepState`, hands it to the functions that fill it, and keeps
@@ -77,7 +78,6 @@ from megatron_lossfix.megatron_compat import (
     warn_if_untested,
 )
 from megatron_lossfix.metrics import StepState, reduce_step_metrics
-from megatron_lossfix.stock import observe_iterators, observing_forward_step
 
 __all__ = ["LossFixSchedule", "StepGroups", "StepRefused", "resolve_groups"]
 
@@ -181,28 +181,27 @@ class LossFixSchedule:
         num_microbatches: int,
         kwargs: dict,
     ) -> Any:
-        """``off``: the wrapped schedule with the caller's arguments, looked on."""
-        state = StepState(
+        """``off``: the wrapped schedule with the caller's own objects; its result, unchanged,
+        is also what ``step_metrics()`` reads (the loss stage's reports)."""
+        self._last_step = None
+        result = self._inner_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+        pg_collection = kwargs.get("pg_collection")
+        self._last_step = StepState(
             reduction="off",
             per_token=None,
             passthrough=True,
             groups=None,
             num_microbatches=num_microbatches,
-            model=model,
-            pg_collection=(
-                self._pg_collection
-                if kwargs.get("pg_collection") is None
-                else kwargs["pg_collection"]
-            ),
+            pg_collection=self._pg_collection if pg_collection is None else pg_collection,
+            reports=list(result) if isinstance(result, (list, tuple)) else [],
         )
-        self._last_step = state
-        return self._inner_func()(
-            forward_step_func=observing_forward_step(self.config, forward_step_func, state),
-            data_iterator=observe_iterators(self.config, data_iterator, state),
-            model=model,
-            num_microbatches=num_microbatches,
-            **kwargs,
-        )
+        return result
 
     def _plugin_step(
         self,
@@ -233,7 +232,6 @@ class LossFixSchedule:
             passthrough=prepared.per_token and cfg.reduction == "token_mean",
             groups=groups,
             num_microbatches=num_microbatches,
-            model=model,
             masks=prepared.masks,
             segments=prepared.segments,
         )
@@ -299,11 +297,16 @@ class LossFixSchedule:
     def step_metrics(self) -> dict[str, float]:
         """The last step's global metrics, on every rank (collectives over DP x CP and PP).
 
-        ``loss`` is L of docs/design.md §2 (with ``off``: the stock per-micro-batch mean Megatron
-        optimizes), ``num_tokens`` N and ``num_sequences`` S; report entries that are 0-dim
-        tensors named ``*_sum``/``*_count``, ``*_max`` or ``*_min`` are reduced that way over
-        DP x CP. With ``off`` a number is left out when the step did not show it: ``loss`` when
-        a loss was not a one-element tensor, ``num_tokens`` when neither loss masks nor
-        3-tuples gave it, ``num_sequences`` without loss masks.
+        ``loss`` is L of docs/design.md §2, ``num_tokens`` N and ``num_sequences`` S; report
+        entries that are 0-dim tensors named ``*_sum``/``*_count``, ``*_max`` or ``*_min`` are
+        reduced that way over DP x CP.
+
+        With ``off`` the plugin saw nothing of the step but what Megatron returned: the loss
+        stage's list of reports (the last element of each loss tuple). Only those report
+        entries are reduced, by the same rules; ``loss``, ``num_tokens`` and ``num_sequences``
+        are absent unless the loss function reported them itself (under those names with a
+        ``_sum`` suffix, e.g. ``num_tokens_sum``). Stock Megatron's loss is the caller's to
+        report: e.g. each micro-batch's ``sum(m * l) / n`` as ``*_sum`` with a ``*_count`` of 1
+        gives the mean of per-micro-batch means that stock optimizes.
         """
-        return reduce_step_metrics(self._last_step, self.config)
+        return reduce_step_metrics(self._last_step)

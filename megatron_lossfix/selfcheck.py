@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.metrics import StepState
+from megatron_lossfix.reduction import group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit
 from megatron_lossfix.selfcheck_model import (
-    CheckGroups,
     agree_flags,
     broadcasts_batches,
     check_groups,
@@ -403,7 +403,7 @@ class SelfCheckingSchedule:
         self, spread_max: float, spread: float, worst: int, normal: _NormalRun, groups: Any
     ) -> str:
         """The failure when data-parallel replicas hold different gradients."""
-        size = CheckGroups.size(groups.data_parallel)
+        size = group_size(groups.data_parallel)
         if worst >= 0 and spread == spread_max:
             names = {id(p): n for c in normal.chunks for n, p in c.named_parameters()}
             where = f"most in {names.get(id(normal.params[worst]), 'a parameter')!r}"

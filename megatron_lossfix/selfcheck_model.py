@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.reduction import group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit_plan
 
 __all__ = [
@@ -113,10 +114,6 @@ class CheckGroups:
     tensor_parallel: dist.ProcessGroup | None
     pipeline: dist.ProcessGroup | None
 
-    @staticmethod
-    def size(group: dist.ProcessGroup | None) -> int:
-        return 1 if group is None else dist.get_world_size(group)
-
 
 def _counted(param: torch.nn.Parameter, tp_group: dist.ProcessGroup | None) -> bool:
     """Count each gradient element once over the model-parallel group, as Megatron's grad norm
@@ -176,7 +173,7 @@ def replica_spread(
         for i, (param, grad) in enumerate(zip(params, grads, strict=True))
         if grad is not None and getattr(param, "allreduce", True)
     ]
-    if CheckGroups.size(groups.data_parallel) <= 1 or not dense:
+    if group_size(groups.data_parallel) <= 1 or not dense:
         return 0.0, -1
     sums = torch.stack(
         [torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in dense]
@@ -344,7 +341,7 @@ def agree_flags(flags: list[float], groups: CheckGroups, device: torch.device) -
     group, then the data x context-parallel group (together they span the grid)."""
     tensor = torch.tensor(flags, dtype=torch.float64, device=device)
     for group in (groups.model_parallel, groups.data_parallel):
-        if CheckGroups.size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 
@@ -355,7 +352,7 @@ def broadcasts_batches(reads: bool, groups: CheckGroups, device: torch.device) -
     ``get_batch_on_this_tp_rank``) into buffers of the configured micro-batch shape, and only a
     shape-keeping re-split works."""
     flags = torch.tensor([float(reads), float(not reads)], device=device)
-    if CheckGroups.size(groups.tensor_parallel) > 1:
+    if group_size(groups.tensor_parallel) > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.tensor_parallel)
     mixed = float(bool(flags[0] > 0 and flags[1] > 0))
     return bool(agree_flags([mixed], groups, device)[0])
@@ -365,7 +362,7 @@ def plan_resplit(
     call: dict, chunks: list, groups: CheckGroups, keep_shapes: bool
 ) -> ResplitPlan | None:
     """The re-split of the step ``call`` describes; every stage of a pipeline plans alike."""
-    pp = CheckGroups.size(groups.pipeline)
+    pp = group_size(groups.pipeline)
     interleaved = None
     if len(chunks) > 1:
         config = model_config_of(chunks)

@@ -116,14 +116,12 @@ def test_stock_bridge_differs(tmp_path_factory):
     ref, _ = _run("1rank", "off", tmp_path_factory)
     got, _ = _run("dp2", "off", tmp_path_factory)
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
-    assert _rel(got[0]["loss"], ref[0]["loss"]) > 1e-3, (ref[0], got[0])
     exact, _ = _run("1rank", "token_mean", tmp_path_factory)
     assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3
-    # off reports the loss stock Megatron optimizes, the mean of per-micro-batch means: close to
-    # Bridge's token mean, not the tensor Megatron divided by num_microbatches in place (which
-    # it once reported: 0.033 against 5.598).
-    for record in ref:
-        assert _rel(record["loss"], record["lm_loss"]) < 0.2, record
+    # off is stock Bridge: the plugin sees nothing of the step, and the record's loss is the
+    # one Bridge logs (its token mean), without counts.
+    for record in (*ref, *got):
+        assert record["loss"] == record["lm_loss"] is not None and record["num_tokens"] is None
 
 
 @pytest.mark.e2e

@@ -10,7 +10,7 @@ step -- Megatron's schedule with DDP and ``finalize_model_grads``, then ``optimi
 and for every mode through ``LossFixSchedule``.
 ``schedule.step_metrics()`` is not part of the step and is not counted.
 
-Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, looked on).
+Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, passed through).
 Every plugin mode adds, on the loss (last pipeline) stage of a data-parallel run, one
 all-reduce over the DP x CP group before the step: the token counts and the step's cross-rank
 checks (same reduction everywhere, nothing refused) in one vector. With pipeline parallelism
@@ -179,7 +179,7 @@ def _plugin_forward_step(data_iterator: Any, model: Any) -> tuple:
 
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(weighted_loss, batch.get("loss_weights"))  # None off the loss stage
+    return output, partial(weighted_loss, batch.get("loss_weights", batch.get("loss_mask")))
 
 
 def _rank_setup(layout: Layout, per_token: bool, empty_last_dp_rank: bool) -> tuple:

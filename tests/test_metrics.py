@@ -2,9 +2,10 @@
 
 One rank, no process groups (``StepGroups`` of ``None``: nothing is communicated), so the
 functions are pure: a step's recorded state in, the step's numbers out. The references are
-written from the rules in metrics.py's docstring and from stock Megatron's averaging, with
-explicit loops and no code shared with the module. The reductions over ranks themselves are
-covered by the layout tests (``tests/test_invariance.py``, ``tests/test_rl_invariance.py``).
+written from the rules in metrics.py's docstring, with explicit loops and no code shared with
+the module (the step's counts come from ``count_tokens``, as the agreement's do). The
+reductions over ranks themselves are covered by the layout tests (``tests/test_invariance.py``,
+``tests/test_rl_invariance.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.metrics import (
-    StepState,
-    reduce_step_metrics,
-    scalar_stats,
-    stock_contributions,
-)
+from megatron_lossfix.metrics import StepState, reduce_step_metrics, scalar_stats
+from megatron_lossfix.reduction import count_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -92,15 +88,21 @@ def ref_counts(masks: list[torch.Tensor]) -> tuple[float, float]:
     return float(tokens), float(sequences)
 
 
-def state_for(reduction: str, masks: list[torch.Tensor], **fields) -> StepState:
+def state_for(reduction: str, masks: list[torch.Tensor], segments=None, **fields) -> StepState:
+    """A plugin mode's record on the loss stage: the counts as the agreement fills them in."""
     fields.setdefault("per_token", False)
-    fields.setdefault("passthrough", reduction == "off")
+    fields.setdefault("passthrough", False)
+    segments = segments or [(None, None)] * len(masks)
+    counts = count_tokens(
+        masks, segment_ids=[s for s, _ in segments], num_segments=[n for _, n in segments]
+    )
     return StepState(
         reduction=reduction,
         groups=NO_GROUPS,
         num_microbatches=len(masks),
         masks=masks,
-        segments=[(None, None)] * len(masks),
+        segments=segments,
+        counts=counts,
         **fields,
     )
 
@@ -130,7 +132,7 @@ def test_plugin_mode_metrics_match_reference(reduction):
     contributions = [torch.randn((), generator=gen) for _ in masks]
     reports = make_reports(len(masks))
     state = state_for(reduction, masks, contributions=contributions, reports=reports)
-    got = reduce_step_metrics(state, LossFixConfig(reduction=reduction))
+    got = reduce_step_metrics(state)
     tokens, sequences = ref_counts(masks)
     want = {
         "loss": sum(float(c) for c in contributions),
@@ -144,9 +146,8 @@ def test_plugin_mode_metrics_match_reference(reduction):
 def test_packed_sequences_are_counted_by_segment():
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0]])
     segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 3, 3]])  # segment 1 holds no loss token
-    state = state_for("token_mean", [mask], contributions=[torch.tensor(0.25)])
-    state.segments = [(segments, 4)]
-    got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
+    state = state_for("token_mean", [mask], [(segments, 4)], contributions=[torch.tensor(0.25)])
+    got = reduce_step_metrics(state)
     assert_metrics(got, {"loss": 0.25, "num_tokens": 5.0, "num_sequences": 3.0})
 
 
@@ -155,81 +156,37 @@ def test_each_mtp_layer_reports_the_sum_of_its_shares():
     state = state_for("token_mean", masks, contributions=[torch.tensor(0.5)] * len(masks))
     shares = [[torch.tensor(0.25), torch.tensor(-0.125)], [torch.tensor(2.0)], []]
     state.mtp = SimpleNamespace(contributions=shares)  # metrics reads only the shares
-    got = reduce_step_metrics(state, LossFixConfig(reduction="token_mean"))
+    got = reduce_step_metrics(state)
     tokens, sequences = ref_counts(masks)
     want = {"loss": 0.5 * len(masks), "num_tokens": tokens, "num_sequences": sequences}
     want |= {f"mtp_loss_{j + 1}": sum(float(x) for x in layer) for j, layer in enumerate(shares)}
     assert_metrics(got, want)
 
 
-def stock_loss(losses: list[float], tokens: list[int | None], dp: int, cp: int) -> list:
-    """Stock Megatron's share of each micro-batch in this rank's loss: the per-micro-batch token
-    mean over M micro-batches and D data-parallel ranks (the 2-tuple: the loss over M and D;
-    CP ranks each hold a shard of the tokens and their losses add up)."""
-    m = len(losses)
-    out = []
-    for loss, n in zip(losses, tokens, strict=True):
-        if n is None:
-            out.append(loss / (m * dp))
-        else:
-            out.append(loss / max(n, 1) / (m * dp * cp))
-    return out
-
-
-@pytest.mark.parametrize("dp, cp", [(1, 1), (2, 1), (3, 2)])
-def test_stock_contributions_match_megatrons_averaging(dp, cp):
-    losses = [3.0, 0.0, 7.5, 1.25]
-    tokens = [4, 0, None, 5]  # an empty micro-batch and a 2-tuple (no token count)
-    state = state_for("off", make_masks())
-    state.raw = [
-        (torch.tensor(x), None if n is None else torch.tensor(n))
-        for x, n in zip(losses, tokens, strict=True)
-    ]
-    got = stock_contributions(state, (len(losses), dp, cp))
-    want = stock_loss(losses, tokens, dp, cp)
-    assert [float(x) for x in got] == pytest.approx(want, rel=1e-6)  # fp32 losses
-
-
-def test_off_reports_stock_megatrons_loss():
+def test_per_token_token_mean_divides_the_sum_by_n():
+    """Per-token ``token_mean``: the loss tuples went to Megatron unchanged (plain sums), and
+    Megatron divides by the step's token count."""
     masks = make_masks()
-    losses = [2.0, 0.5, 0.0, 4.0]
-    tokens = [int(m.sum()) for m in masks]
-    raw = [(torch.tensor(x), torch.tensor(n)) for x, n in zip(losses, tokens, strict=True)]
-    reports = make_reports(len(masks))
-    state = state_for("off", masks, raw=raw, reports=reports)
-    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
+    sums = [torch.tensor(x) for x in (2.0, 0.5, 0.0, 4.0)]
+    state = state_for("token_mean", masks, contributions=sums, per_token=True, passthrough=True)
     n, s = ref_counts(masks)
-    want = {"loss": sum(stock_loss(losses, tokens, 1, 1)), "num_tokens": n, "num_sequences": s}
-    assert_metrics(got, {**want, **ref_reduced_stats(reports)})
+    assert_metrics(
+        reduce_step_metrics(state), {"loss": 6.5 / n, "num_tokens": n, "num_sequences": s}
+    )
 
 
-def test_off_per_token_loss_is_the_token_sum_over_n():
-    masks = make_masks()
-    losses = [2.0, 0.5, 0.0, 4.0]
-    raw = [
-        (torch.tensor(x), torch.tensor(int(m.sum()))) for x, m in zip(losses, masks, strict=True)
-    ]
-    state = state_for("off", masks, raw=raw, per_token=True)
-    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
-    n, s = ref_counts(masks)
-    assert_metrics(got, {"loss": sum(losses) / n, "num_tokens": n, "num_sequences": s})
-
-
-def test_off_leaves_out_what_the_step_did_not_show():
-    masks = make_masks()
-    # A loss that was no tensor: the step's loss is unknown; the counts still come from masks.
-    raw = [(torch.tensor(1.0), torch.tensor(3)), (None, None)]
-    got = reduce_step_metrics(state_for("off", masks[:2], raw=raw), LossFixConfig(reduction="off"))
-    n, s = ref_counts(masks[:2])
-    assert_metrics(got, {"num_tokens": n, "num_sequences": s})
-    # No usable mask: tokens come from the loss tuples, sequences are unknown.
-    raw = [(torch.tensor(1.0), torch.tensor(3)), (torch.tensor(2.0), torch.tensor(5))]
-    state = state_for("off", [], raw=raw, unmasked=2)
-    state.num_microbatches = 2
-    got = reduce_step_metrics(state, LossFixConfig(reduction="off"))
-    assert_metrics(got, {"loss": (1.0 / 3 + 2.0 / 5) / 2, "num_tokens": 8.0})
+def test_off_reduces_only_the_reports_megatron_returned():
+    """``off`` saw nothing but the loss stage's reports: their entries are reduced, and the
+    plugin's own numbers (loss, N, S) are absent."""
+    reports = make_reports(4)
+    state = StepState(
+        reduction="off", per_token=None, passthrough=True, groups=NO_GROUPS, reports=reports
+    )
+    assert_metrics(reduce_step_metrics(state), ref_reduced_stats(reports))
+    empty = StepState(reduction="off", per_token=None, passthrough=True, groups=NO_GROUPS)
+    assert reduce_step_metrics(empty) == {}
 
 
 def test_metrics_before_any_step_are_refused():
     with pytest.raises(ValueError, match="no step has run yet"):
-        reduce_step_metrics(None, LossFixConfig(reduction="token_mean"))
+        reduce_step_metrics(None)

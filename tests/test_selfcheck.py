@@ -106,10 +106,12 @@ def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model
         loss_mask=batch.get("loss_mask"),  # MTP layers read it inside the model
     )
     if loss == "double":
-        return output, partial(_double_scaled_loss, batch.get("loss_weights"))
+        return output, partial(
+            _double_scaled_loss, batch.get("loss_weights", batch.get("loss_mask"))
+        )
     if loss == "mask_mean":
         return output, partial(_mask_mean_loss, batch["loss_mask"])
-    return output, partial(weighted_loss, batch.get("loss_weights"))
+    return output, partial(weighted_loss, batch.get("loss_weights", batch.get("loss_mask")))
 
 
 def _break_finalize(config, how: str, dp_rank: int) -> None:

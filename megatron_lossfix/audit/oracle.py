@@ -76,14 +76,48 @@ def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch
     )
 
 
-def _forward_step(case: OracleCase, data_iterator: Any, model: Any) -> tuple:
+def _forward_step(case: OracleCase, num_microbatches: int, data_iterator: Any, model: Any) -> tuple:
     from megatron_lossfix.losses import weighted_loss
 
     batch = next(data_iterator)
     output = _model_output(case, model, batch)
+    # Under ``off`` no weights come in: the loss mask is stock's weight.
+    weights = batch.get("loss_weights", batch["loss_mask"])
     if case.objective == "sft":
-        return output, partial(weighted_loss, batch.get("loss_weights"))
-    return output, partial(_rl_loss, case, batch, batch.get("loss_weights"))
+        loss_func = partial(weighted_loss, weights)
+    else:
+        loss_func = partial(_rl_loss, case, batch, weights)
+    if "loss_weights" in batch:
+        return output, loss_func
+    return output, partial(_stock_report, case, num_microbatches, loss_func)
+
+
+def _stock_report(case: OracleCase, num_microbatches: int, loss_func: Any, output: Any) -> tuple:
+    """``off``: the loss tuple unchanged, its report adding this micro-batch's share of the loss
+    stock Megatron optimizes (``stock_loss_sum``) and its loss tokens (``num_tokens_sum``),
+    both summed over the step by ``step_metrics``."""
+    from megatron.core import parallel_state as ps
+
+    loss, num_tokens, report = loss_func(output)
+    if case.per_token:  # Megatron divides the summed loss by the step's token count
+        share = loss.detach().clone()
+    else:  # Megatron: loss / n / M, gradients averaged over D x CP
+        scale = num_microbatches * ps.get_data_parallel_world_size()
+        share = (
+            loss.detach()
+            / torch.clamp(num_tokens, min=1)
+            / (scale * ps.get_context_parallel_world_size())
+        )
+    return loss, num_tokens, {**report, "stock_loss_sum": share, "num_tokens_sum": num_tokens}
+
+
+def _stock_loss(case: OracleCase, metrics: dict) -> dict:
+    """``off``: the loss stock Megatron optimizes and the step's loss tokens, from the reports
+    Megatron returned."""
+    loss, num_tokens = metrics.pop("stock_loss_sum"), metrics.pop("num_tokens_sum")
+    if case.per_token:
+        loss /= max(num_tokens, 1.0)
+    return {**metrics, "loss": loss, "num_tokens": num_tokens}
 
 
 def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tuple:
@@ -172,7 +206,7 @@ def layout_grads(
     )
     mbs = _local_microbatches(case, chunks, config.vocab_size, num_microbatches)
     sharded = case.schedule_kwargs.get("data_is_cp_sharded", False)
-    step = partial(_forward_step, case)
+    step = partial(_forward_step, case, len(mbs))
     if not sharded and ps.get_context_parallel_world_size() > 1:
         step = partial(_cp_slicing_forward_step, step)
     out: dict[str, Any] = {}
@@ -194,7 +228,10 @@ def layout_grads(
             * (ps.get_context_parallel_world_size() if sharded else 1),
             micro_batch_size=mbs[0]["tokens"].shape[0],
         )
-        result = {"grads": tiny_gpt.gather_full_grads(chunks), "metrics": schedule.step_metrics()}
+        metrics = schedule.step_metrics()
+        if mode == "off":
+            metrics = _stock_loss(case, metrics)
+        result = {"grads": tiny_gpt.gather_full_grads(chunks), "metrics": metrics}
         if optimizer is not None:
             result.update(_optimizer_step(optimizer, chunks, tiny_gpt.gather_full_params))
         out[mode] = result

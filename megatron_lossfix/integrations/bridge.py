@@ -36,7 +36,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.integrations.megatron_lm import LOSS_KEY, MasksToDevice, MegatronLMLossFix
+from megatron_lossfix.integrations.megatron_lm import (
+    LOSS_KEY,
+    MasksToDevice,
+    MegatronLMLossFix,
+    record_numbers,
+)
 from megatron_lossfix.megatron_compat import StepGroups
 
 __all__ = [
@@ -113,7 +118,7 @@ class BridgeLossFix(MegatronLMLossFix):
     ``record_metrics`` is on.
 
     Args:
-        config: the plugin configuration (``off``: stock numerics, metrics only).
+        config: the plugin configuration (``off``: stock Megatron).
         forward_backward_func: the schedule Bridge's ``get_forward_backward_func`` returned.
         record_metrics: compute ``step_metrics()`` after every step (collectives over DP x CP
             and PP on every rank).
@@ -224,9 +229,10 @@ def enable_bridge(
     Patches ``megatron.bridge.training.train.get_forward_backward_func`` (what ``train()``
     calls once, before its loop) to return a :class:`BridgeLossFix` around Bridge's schedule.
     Use :func:`lossfix_forward_step` as the forward step. With ``metrics_out``, global rank 0
-    writes one JSON line per training iteration there: ``iteration``, ``loss`` (L), ``lm_loss``
-    (what Bridge logs), ``grad_norm``, ``num_tokens``, ``num_sequences``, ``step_time_s``,
-    ``reduction``. Call again to change the config; :func:`disable_bridge` undoes it.
+    writes one JSON line per training iteration there: ``iteration``, ``loss`` (L; under ``off``
+    what Bridge logs), ``lm_loss`` (what Bridge logs), ``grad_norm``, ``num_tokens``,
+    ``num_sequences`` (None under ``off``), ``step_time_s``, ``reduction``. Call again to
+    change the config; :func:`disable_bridge` undoes it.
     """
     global _INSTALLED
     if isinstance(config, Mapping):
@@ -315,11 +321,8 @@ def _recording_train_step(installed: _Installed) -> Callable[..., Any]:
         if rank0:
             record = {
                 "iteration": iteration,
-                "loss": metrics["loss"],
-                "lm_loss": logged,
+                **record_numbers(metrics, logged),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "num_tokens": int(metrics["num_tokens"]),
-                "num_sequences": int(metrics["num_sequences"]),
                 "step_time_s": time.perf_counter() - start,
                 "reduction": installed.config.reduction,
             }

@@ -19,7 +19,7 @@ The patch itself stays a handful of lines; the code lives here:
   Megatron-LM's training loop on a machine without CUDA (gloo).
 
 With ``--loss-reduction`` absent nothing here touches the training step; with ``off`` the step
-is stock Megatron (the plugin only records metrics).
+is stock Megatron (the metrics record holds the loss Megatron-LM logs, no counts).
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ __all__ = [
 
 #: The report key Megatron-LM's ``pretrain_gpt.py`` logs as ``lm loss``.
 LOSS_KEY = "lm loss"
+
+
+def record_numbers(metrics: dict, logged: float | None) -> dict:
+    """A metrics record's loss and counts: the plugin's; under ``off``, where the plugin sees
+    nothing of the step, the loss Megatron logged and no counts."""
+    return {
+        "loss": metrics.get("loss", logged),
+        "lm_loss": logged,
+        "num_tokens": int(metrics["num_tokens"]) if "num_tokens" in metrics else None,
+        "num_sequences": int(metrics["num_sequences"]) if "num_sequences" in metrics else None,
+    }
+
 
 #: The keyword our patch adds to ``pretrain_gpt.loss_func``.
 LOSS_KWARG = "lossfix"
@@ -173,7 +185,7 @@ class MegatronLMLossFix:
     ``lossfix=``), context-parallel slicing, and the ``[sum, count]`` loss report.
 
     Args:
-        config: the plugin configuration (``off``: stock numerics, metrics only).
+        config: the plugin configuration (``off``: stock Megatron).
         forward_backward_func: Megatron's schedule (``get_forward_backward_func()``).
         metrics_out: append one JSON line per step here (last rank), or None.
         sft_evaluation: the schedule of Megatron-LM's ``evaluate()`` under ``--sft``, which
@@ -444,13 +456,11 @@ def _record_train_steps(wrapper: MegatronLMLossFix) -> None:
         if last_rank and metrics is not None:
             loss_dict, grad_norm = result[0], result[5]
             logged = loss_dict.get(LOSS_KEY) if isinstance(loss_dict, Mapping) else None
+            logged = None if logged is None else float(logged)
             record = {
                 "iteration": int(kwargs.get("iteration", 0) or 0) + 1,
-                "loss": metrics["loss"],
-                "lm_loss": None if logged is None else float(logged),
+                **record_numbers(metrics, logged),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "num_tokens": int(metrics["num_tokens"]),
-                "num_sequences": int(metrics["num_sequences"]),
                 "step_time_s": time.perf_counter() - wrapper._step_start,
                 "reduction": wrapper.config.reduction,
             }

@@ -225,12 +225,12 @@ def rl_loss(
     ``[b, s, V/TP]`` (the model called without labels). Bind all but the output first:
     ``partial(rl_loss, batch, tp_group=..., cp_group=..., objective=RLObjective(...))``.
 
-    ``batch`` holds ``labels``, ``loss_mask``, ``loss_weights`` (the plugin's weights; stock
-    Megatron code passes the loss mask), ``old_logprobs`` and ``advantages``; optionally
-    ``ref_logprobs`` (for a KL term) and ``has_old_logprobs`` (0 where no old log-prob was
-    recorded: the current one, detached, stands in, ratio 1). Log-probs and entropies come from
-    :func:`megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy` of ``logits /
-    temperature`` (TP-correct); ``objective`` is an :class:`RLObjective` (or the keyword
+    ``batch`` holds ``labels``, ``loss_mask``, ``loss_weights`` (the plugin's weights; absent
+    under ``off``, where the loss mask is the weight), ``old_logprobs`` and ``advantages``;
+    optionally ``ref_logprobs`` (for a KL term) and ``has_old_logprobs`` (0 where no old
+    log-prob was recorded: the current one, detached, stands in, ratio 1). Log-probs and
+    entropies come from :func:`megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy` of
+    ``logits / temperature`` (TP-correct); ``objective`` is an :class:`RLObjective` (or the keyword
     arguments of one, as flags give them). Returns Megatron's 3-tuple ``(sum(w * objective),
     loss tokens on this rank, stats)``; ``step_metrics()`` reduces the stats over DP x CP.
     """
@@ -242,7 +242,7 @@ def rl_loss(
         old = torch.where(batch["has_old_logprobs"] > 0, old, logprobs.detach())
     if objective is not None and not isinstance(objective, RLObjective):
         objective = RLObjective(**objective)
-    weights = batch["loss_weights"]
+    weights = batch.get("loss_weights", batch["loss_mask"])  # `off`: stock's weight, the mask
     loss, stats = rl_objective(
         logprobs,
         old,
