@@ -5,10 +5,11 @@
 runs every session below (that is the README's test command and what CI runs); ``nox -s
 tests-3.11`` runs one, and arguments after ``--`` replace pytest's default selection
 (``-- tests/test_args.py``, ``-- -m unit``). Each tests session makes its own virtualenv under
-``.nox/``, installs ``torch==2.13.0`` (whichever build pip finds for that Python: in CI a CPU
-wheel for 3.11 from pip's configured find-links, and PyPI's default build, the CUDA one, for
-3.12; both run on CPU), the pinned megatron-core, this project with its test extras and what
-Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
+``.nox/``, installs ``torch==2.13.0`` as a plain requirement (no index or build is named: pip
+takes what its own configuration offers for that Python, which from PyPI alone is the CUDA build
+of about 1.35 GB, and from a wheel folder or index the machine configures may be a ``+cpu``
+wheel; the tests run on CPU with either), the pinned megatron-core, this project with its test
+extras and what Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
 
 * ``lint``: ``ruff check`` and ``ruff format --check`` (ruff pinned as in the test extras).
 * ``tests-3.11``: Python 3.11, megatron-core 0.16.1 (the last release that supports Python
