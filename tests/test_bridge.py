@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.megatron_lm_run import Command, run_side_by_side
 
 from megatron_lossfix.integrations.bridge import bridge_cu_seqlens

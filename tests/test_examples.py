@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
-from megatron_lossfix.testing.megatron_lm_run import Command, run_side_by_side
+from helpers.megatron_lm_run import Command, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
