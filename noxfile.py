@@ -5,10 +5,11 @@
 runs every session below (that is the README's test command and what CI runs); ``nox -s
 tests-3.11`` runs one, and arguments after ``--`` replace pytest's default selection
 (``-- tests/test_args.py``, ``-- -m unit``). Each tests session makes its own virtualenv under
-``.nox/``, installs ``torch==2.13.0`` (whichever build pip finds for that Python: in CI a CPU
-wheel for 3.11 from pip's configured find-links, and PyPI's default build, the CUDA one, for
-3.12; both run on CPU), the pinned megatron-core, this project with its test extras and what
-Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
+``.nox/``, installs ``torch==2.13.0`` as a plain requirement (no index or build is named: pip
+takes what its own configuration offers for that Python, which from PyPI alone is the CUDA build
+of about 1.35 GB, and from a wheel folder or index the machine configures may be a ``+cpu``
+wheel; the tests run on CPU with either), the pinned megatron-core, this project with its test
+extras and what Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
 
 * ``lint``: ``ruff check`` and ``ruff format --check`` (ruff pinned as in the test extras).
 * ``tests-3.11``: Python 3.11, megatron-core 0.16.1 (the last release that supports Python
@@ -24,9 +25,10 @@ Megatron-LM's training scripts import, and runs pytest on CPU/gloo:
 
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
-line, without it. While ``tests-3.11`` runs its tests, the wheels ``tests-3.12`` installs are
-downloaded in the background into ``.nox/wheels-3.12`` (their download is most of that
-session's set-up).
+line, without it. While ``tests-3.11`` runs its tests, the wheels ``tests-3.12`` installs, then
+those of Megatron Bridge (``.ci/bridge-requirements.txt``), are downloaded in the background into
+``.nox/wheels-3.12`` (their download is most of that session's set-up); both installs then read
+that folder (Bridge's alone, without an index, when its download worked).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from xml.etree import ElementTree
 
 import nox
@@ -69,7 +72,12 @@ MEGATRON_LM_DEPS = {
     "3.12": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "pytest-mock"),
 }  # fmt: skip
 WHEELS_312 = os.path.join(".nox", "wheels-3.12")
-_prefetch: subprocess.Popen | None = None
+BRIDGE = "megatron-bridge==0.6.2"  # as .ci/install_bridge.sh installs it
+#: What ``.ci/install_bridge.sh`` installs beside Megatron Bridge.
+BRIDGE_REQUIREMENTS = os.path.join(".ci", "bridge-requirements.txt")
+#: The background downloads, in order: name -> (done, exit status).
+_prefetch: dict[str, tuple[threading.Event, list[int]]] = {}
+_prefetch_proc: list[subprocess.Popen] = []
 
 
 def _expose_pyenv_versions() -> None:
@@ -91,21 +99,56 @@ _expose_pyenv_versions()
 
 
 def _start_prefetch_312(session: nox.Session) -> None:
-    """Download the 3.12 world's torch and megatron-core (with their dependencies) in the
-    background, while this session runs its tests; ``tests-3.12`` installs from them."""
-    global _prefetch
+    """Download into ``WHEELS_312``, in the background while this session runs its tests, first
+    the 3.12 world's torch and megatron-core (with their dependencies), which ``tests-3.12``
+    installs from, then Megatron Bridge and what ``.ci/install_bridge.sh`` installs beside it
+    (one folder: what both need, torch first of all, is downloaded once)."""
     python = shutil.which("python3.12")
-    if _prefetch is not None or python is None or "tests-3.12" not in _selected():
+    if _prefetch or python is None or "tests-3.12" not in _selected():
         return
     os.makedirs(WHEELS_312, exist_ok=True)
-    log = open(os.path.join(WHEELS_312, "download.log"), "w")  # noqa: SIM115 (the child's)
-    _prefetch = subprocess.Popen(
-        [python, "-m", "pip", "download", "-q", "-d", WHEELS_312, TORCH,
-         f"megatron-core=={LATEST['3.12']}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    atexit.register(lambda: _prefetch.poll() is None and _prefetch.terminate())
-    session.log(f"downloading the 3.12 wheels in the background into {WHEELS_312}")
+    pins = (TORCH, f"megatron-core=={LATEST['3.12']}")
+    constraints = os.path.join(WHEELS_312, "constraints.txt")
+    with open(constraints, "w") as f:
+        f.write("\n".join(pins) + "\n")
+    pip = [python, "-m", "pip", "download", "-q", "-d", WHEELS_312, "--find-links", WHEELS_312]
+    steps = {
+        "3.12": [[*pip, *pins]],
+        "bridge": [
+            [*pip, "--no-deps", BRIDGE],
+            [*pip, "-c", constraints, "-r", BRIDGE_REQUIREMENTS],
+        ],
+    }
+    for name in steps:
+        _prefetch[name] = (threading.Event(), [])
+
+    def download() -> None:
+        with open(os.path.join(WHEELS_312, "download.log"), "w") as log:
+            for name, commands in steps.items():
+                done, status = _prefetch[name]
+                for cmd in commands:
+                    _prefetch_proc[:] = [subprocess.Popen(cmd, stdout=log, stderr=log)]
+                    status.append(_prefetch_proc[0].wait())
+                    if status[-1] != 0:
+                        break
+                done.set()
+
+    threading.Thread(target=download, daemon=True).start()
+    atexit.register(lambda: [p.terminate() for p in _prefetch_proc if p.poll() is None])
+    session.log(f"downloading the 3.12 and Bridge wheels in the background into {WHEELS_312}")
+
+
+def _prefetched(session: nox.Session, name: str) -> bool:
+    """Wait for the background download ``name`` (``3.12``, ``bridge``); whether it worked."""
+    if name not in _prefetch:
+        return False
+    done, status = _prefetch[name]
+    session.log(f"waiting for the background download of the {name} wheels")
+    done.wait()
+    if not status or status[-1] != 0:
+        session.warn(f"background download failed (see {WHEELS_312}/download.log)")
+        return False
+    return True
 
 
 def _selected() -> list[str]:
@@ -126,11 +169,8 @@ def _selected() -> list[str]:
 def _install(session: nox.Session, python: str, release: str | None = None) -> None:
     megatron_core = f"megatron-core=={release or LATEST[python]}"
     downloaded = python == "3.12" and bool(glob.glob(os.path.join(WHEELS_312, "torch-*.whl")))
-    if python == "3.12" and _prefetch is not None:
-        session.log("waiting for the background download of the 3.12 wheels")
-        downloaded = _prefetch.wait() == 0
-        if not downloaded:
-            session.warn(f"background download failed (see {WHEELS_312}/download.log)")
+    if python == "3.12" and "3.12" in _prefetch:
+        downloaded = _prefetched(session, "3.12")
     if downloaded:
         session.install("--no-index", "--find-links", WHEELS_312, TORCH)
     session.install(TORCH, megatron_core, "-e", ".[test]", *MEGATRON_LM_DEPS[python])
@@ -176,7 +216,11 @@ def tests_312(session: nox.Session) -> None:
     # Megatron Bridge last: Bridge 0.6 pins the 0.19 line, and the nvidia-resiliency-ext it
     # brings breaks a plain `import megatron.core` (the plugin's Bridge CPU shims hide it), so
     # nothing else runs in this virtualenv after it.
-    session.run("bash", ".ci/install_bridge.sh", os.path.join(session.bin, "python"), external=True)
+    # From the wheels downloaded while tests-3.11 ran, where that worked (pip reads these).
+    local = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": os.path.abspath(WHEELS_312)}
+    env = local if _prefetched(session, "bridge") else {}
+    python = os.path.join(session.bin, "python")
+    session.run("bash", ".ci/install_bridge.sh", python, env=env, external=True)
     _pytest(session, "-m", "e2e", "tests/test_bridge.py")
 
 

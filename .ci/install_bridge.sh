@@ -7,7 +7,7 @@
 # `pip install megatron-bridge==0.6.2` fails there: its dependency fast-hadamard-transform builds
 # from source and needs CUDA (so do flashinfer, transformer-engine and others Bridge lists but the
 # GPT training loop never imports). So: Bridge without dependencies, then what `pretrain()`
-# imports. torch and megatron-core stay as they are (pinned by a constraints file).
+# imports (bridge-requirements.txt). torch and megatron-core stay as they are (pinned by a constraints file).
 # Never `pip install megatron`: an unrelated PyPI project that breaks the `megatron` namespace.
 # The installed nvidia-resiliency-ext (0.4.1, the newest on PyPI for this platform) is too old for
 # megatron-core's checkpointing probe: megatron_lossfix.integrations.cpu_megatron_bridge.enable_cpu_bridge() hides it,
@@ -24,16 +24,7 @@ trap 'rm -f "$constraints"' EXIT
 }
 
 "$PY" -m pip install -q --no-deps megatron-bridge==0.6.2
-"$PY" -m pip install -q -c "$constraints" \
-    "transformers==5.12.1" \
-    "omegaconf>=2.3.0" \
-    einops \
-    datasets \
-    requests \
-    tensorboard \
-    "megatron-energon~=7.0" \
-    nvidia-modelopt \
-    nvidia-resiliency-ext
+"$PY" -m pip install -q -c "$constraints" -r "$(dirname "$0")/bridge-requirements.txt"
 
 # Smoke test: Bridge's training entry point imports with the plugin's CPU shims.
 cd "$(dirname "$0")/.."

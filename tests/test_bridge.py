@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.megatron_lm_run import Command, run_side_by_side
 
 from megatron_lossfix.integrations.bridge import bridge_cu_seqlens
 
@@ -70,27 +71,34 @@ _RUNS: dict[tuple[str, str], tuple[list[dict], str]] = {}
 
 def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """(metrics records, stdout) of one torchrun of the example; cached per session."""
-    key = (layout, reduction)
-    if key not in _RUNS:
+    return _runs(tmp_path_factory, (layout, reduction))[0]
+
+
+def _runs(tmp_path_factory: pytest.TempPathFactory, *keys: tuple[str, str]) -> list[tuple]:
+    """:func:`_run` of each ``(layout, reduction)``; those not run yet start side by side where
+    the cores allow (a one-rank run beside a two-rank one)."""
+    missing = [key for key in dict.fromkeys(keys) if key not in _RUNS]
+    commands, outs = [], []
+    for layout, reduction in missing:
         nproc, flags = LAYOUTS[layout]
         out = tmp_path_factory.mktemp(f"bridge_{layout}_{reduction}")
-        metrics = out / "metrics.jsonl"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), str(ROOT / "examples" / "bridge_pretrain.py"),
             *COMMON, *flags, "--loss-reduction", reduction,
-            "--metrics-out", str(metrics),
+            "--metrics-out", str(out / "metrics.jsonl"),
         ]  # fmt: skip
-        proc = subprocess.run(
-            cmd, env=_env(), capture_output=True, text=True, timeout=1800, cwd=str(out)
-        )
-        if proc.returncode != 0:
-            tail = f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-            pytest.fail(f"{layout}/{reduction} failed:\n{tail}")
+        commands.append(Command(cmd=cmd, nproc=nproc, cwd=out, env=_env()))
+        outs.append(out)
+    done = run_side_by_side(commands, timeout=1800)
+    for (layout, reduction), out, (returncode, output) in zip(missing, outs, done, strict=True):
+        if returncode != 0:
+            pytest.fail(f"{layout}/{reduction} failed:\n{output[-8000:]}")
+        metrics = out / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         assert [r["iteration"] for r in records] == [1, 2], records
-        _RUNS[key] = (records, proc.stdout + proc.stderr)
-    return _RUNS[key]
+        _RUNS[layout, reduction] = (records, output)
+    return [_RUNS[key] for key in keys]
 
 
 @pytest.mark.e2e
@@ -99,8 +107,7 @@ def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) 
 def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
     """Same loss, grad norm and token count on 2 ranks as on 1, at both iterations (the second
     after an optimizer step taken from the first step's gradient)."""
-    ref, _ = _run("1rank", reduction, tmp_path_factory)
-    got, _ = _run(layout, reduction, tmp_path_factory)
+    (ref, _), (got, _) = _runs(tmp_path_factory, ("1rank", reduction), (layout, reduction))
     for r, g in zip(ref, got, strict=True):
         assert g["num_tokens"] == r["num_tokens"] > 0
         assert g["num_sequences"] == r["num_sequences"]
@@ -113,8 +120,7 @@ def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
 def test_stock_bridge_differs(tmp_path_factory):
     """Without the plugin, Bridge's gradient depends on how the step is cut into micro-batches:
     the same check that passes above fails (the test can fail), and stock differs from L."""
-    ref, _ = _run("1rank", "off", tmp_path_factory)
-    got, _ = _run("dp2", "off", tmp_path_factory)
+    (ref, _), (got, _) = _runs(tmp_path_factory, ("1rank", "off"), ("dp2", "off"))
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
     exact, _ = _run("1rank", "token_mean", tmp_path_factory)
     assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3

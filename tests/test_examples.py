@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers.megatron_lm_run import Command, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -21,16 +23,26 @@ TOL = 1e-5
 
 def run_example(script: str, nproc: int, out: Path, *args: str) -> list[dict]:
     """Launch ``examples/<script>`` with torchrun and return its metrics records."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(ROOT / "examples" / script),
-        "--metrics-out", str(out), *args,
-    ]  # fmt: skip
+    return run_examples((script, nproc, out, args))[0]
+
+
+def run_examples(*runs: tuple[str, int, Path, Sequence[str]]) -> list[list[dict]]:
+    """Launch each ``(script, nproc, out, args)`` as :func:`run_example` does, side by side
+    where the cores allow (:func:`run_side_by_side`), and return their records in order."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{tail}"
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    commands = []
+    for script, nproc, out, args in runs:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(ROOT / "examples" / script),
+            "--metrics-out", str(out), *args,
+        ]  # fmt: skip
+        commands.append(Command(cmd=cmd, nproc=nproc, cwd=ROOT, env=env))
+    for command, (returncode, output) in zip(
+        commands, run_side_by_side(commands, timeout=600), strict=True
+    ):
+        assert returncode == 0, f"{' '.join(command.cmd)} failed:\n{output[-6000:]}"
+    return [[json.loads(line) for line in out.read_text().splitlines()] for _, _, out, _ in runs]
 
 
 def max_rel_diff(a: list[dict], b: list[dict], key: str) -> float:
@@ -42,14 +54,43 @@ COMMON = ["--train-iters", "3", "--global-batch-size", "12", "--seq-length", "64
           "--hidden-size", "32", "--num-layers", "2"]  # fmt: skip
 
 
+class ExampleRuns:
+    """Each distinct launch of one example script once per test module (here the one-rank runs
+    of test_pretrain_gpt_layouts_agree also serve test_off_reports_stocks_own_loss); the
+    launches a test needs that have not run yet start side by side."""
+
+    def __init__(self, root: Path, script: str) -> None:
+        self.root, self.script = root, script
+        self.done: dict[tuple[int, tuple[str, ...]], list[dict]] = {}
+
+    def get(self, *runs: tuple[int, Sequence[str]]) -> list[list[dict]]:
+        """The records of each ``(nproc, args)`` run of ``examples/<script>``."""
+        keys = [(nproc, tuple(args)) for nproc, args in runs]
+        missing = [key for key in dict.fromkeys(keys) if key not in self.done]
+        launches = [(self.script, nproc, self.root / f"run-{len(self.done) + i}.jsonl", args)
+                    for i, (nproc, args) in enumerate(missing)]  # fmt: skip
+        self.done.update(zip(missing, run_examples(*launches), strict=True))
+        return [self.done[key] for key in keys]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> ExampleRuns:
+    return ExampleRuns(tmp_path_factory.mktemp("example-runs"), "pretrain_gpt.py")
+
+
+def _one_rank(reduction: str) -> tuple[int, list[str]]:
+    """One rank, one micro-batch of the whole step: the reference layout."""
+    return 1, [*COMMON, "--micro-batch-size", "12", "--loss-reduction", reduction]
+
+
 # sequence_mean through the example: test_pretrain_gpt_mtp_layouts_agree (PP2, MTP).
 @pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["token_mean", "off"])
-def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
-    one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *COMMON,
-                      "--micro-batch-size", "12", "--loss-reduction", reduction)  # fmt: skip
-    two = run_example("pretrain_gpt.py", 2, tmp_path / "two.jsonl", *COMMON,
-                      "--micro-batch-size", "2", "--loss-reduction", reduction)  # fmt: skip
+def test_pretrain_gpt_layouts_agree(runs, reduction):
+    one, two = runs.get(
+        _one_rank(reduction),
+        (2, [*COMMON, "--micro-batch-size", "2", "--loss-reduction", reduction]),
+    )
     assert len(one) == len(two) == 3
     for rec in one:
         assert {"iteration", "loss", "grad_norm", "num_tokens", "step_time_s"} <= set(rec)
@@ -62,15 +103,13 @@ def test_pretrain_gpt_layouts_agree(tmp_path, reduction):
 
 
 @pytest.mark.e2e
-def test_off_reports_stocks_own_loss(tmp_path):
+def test_off_reports_stocks_own_loss(runs):
     """One rank, one micro-batch: stock Megatron's loss is the token mean, so ``off``'s logged
-    loss must equal ``token_mean``'s before the first update (Megatron scales the loss tensor in
-    place after the loss function returns; the metric must not see that)."""
-    args = [*COMMON, "--micro-batch-size", "12", "--train-iters", "1"]
-    off = run_example("pretrain_gpt.py", 1, tmp_path / "off.jsonl", *args,
-                      "--loss-reduction", "off")  # fmt: skip
-    exact = run_example("pretrain_gpt.py", 1, tmp_path / "tm.jsonl", *args,
-                        "--loss-reduction", "token_mean")  # fmt: skip
+    loss must equal ``token_mean``'s before the first update, at the first iteration
+    (Megatron scales the loss tensor in place after the loss function returns; the metric must
+    not see that). The one-rank runs of test_pretrain_gpt_layouts_agree."""
+    off, exact = runs.get(_one_rank("off"), _one_rank("token_mean"))
+    assert off[0]["iteration"] == exact[0]["iteration"] == 1
     assert abs(off[0]["loss"] - exact[0]["loss"]) <= TOL * exact[0]["loss"], (off, exact)
 
 
@@ -83,16 +122,16 @@ def test_off_reports_stocks_own_loss(tmp_path):
     ],
     ids=["cp2", "ep2-moe"],
 )
-def test_pretrain_gpt_cp_and_ep_layouts_agree(tmp_path, layout_args):
+def test_pretrain_gpt_cp_and_ep_layouts_agree(runs, layout_args):
     """Context parallelism (attention-free layers on CPU) and expert parallelism against one
     rank with one micro-batch; aux losses off, since by design they keep stock semantics."""
     model = [a for a in layout_args if a in ("--no-attention",)]
     if "--num-experts" in layout_args:
         model += ["--num-experts", "4"]
-    one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *COMMON,
-                      "--micro-batch-size", "12", *model)  # fmt: skip
-    two = run_example("pretrain_gpt.py", 2, tmp_path / "two.jsonl", *COMMON,
-                      "--micro-batch-size", "2", *layout_args)  # fmt: skip
+    one, two = runs.get(
+        (1, [*COMMON, "--micro-batch-size", "12", *model]),
+        (2, [*COMMON, "--micro-batch-size", "2", *layout_args]),
+    )
     loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
     assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff)
 
@@ -307,16 +346,16 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["sequence_mean", "off"])
-def test_pretrain_gpt_mtp_layouts_agree(tmp_path, reduction):
+def test_pretrain_gpt_mtp_layouts_agree(runs, reduction):
     """Two MTP layers, one rank with one micro-batch against PP2 with 2-sequence micro-batches:
     the grad norm covers the MTP gradient, which the plugin normalizes like the main loss;
     stock Megatron's per-micro-batch MTP means differ."""
     args = [*COMMON, "--mtp-num-layers", "2", "--position-embedding-type", "rope",
             "--loss-reduction", reduction]  # fmt: skip
-    one = run_example("pretrain_gpt.py", 1, tmp_path / "one.jsonl", *args,
-                      "--micro-batch-size", "12")  # fmt: skip
-    two = run_example("pretrain_gpt.py", 2, tmp_path / "two.jsonl", *args,
-                      "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2")  # fmt: skip
+    one, two = runs.get(
+        (1, [*args, "--micro-batch-size", "12"]),
+        (2, [*args, "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
+    )
     norm_diff = max_rel_diff(one, two, "grad_norm")
     if reduction == "off":
         assert norm_diff > 1e-3, f"stock Megatron's MTP agreed: {norm_diff}"

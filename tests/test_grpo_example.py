@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
-from test_examples import ROOT, TOL, max_rel_diff, run_example
+from test_examples import ROOT, TOL, ExampleRuns, max_rel_diff
 
 SCRIPT = "grpo_gpt.py"
 #: log(1/264): every token's log-prob under the (near-uniform) initial model.
@@ -64,20 +64,25 @@ PPO = ["--dual-clip-c", "2"]
 
 
 @pytest.fixture(scope="module")
-def ppo_reference(rollouts, tmp_path_factory) -> list[dict]:
+def runs(tmp_path_factory) -> ExampleRuns:
+    """Each distinct launch once; a test's launches not run yet start side by side."""
+    return ExampleRuns(tmp_path_factory.mktemp("grpo-runs"), SCRIPT)
+
+
+def ppo_reference(rollouts: Path) -> tuple[int, list[str]]:
     """One rank, one micro-batch: the layout every other PPO run is compared with."""
-    out = tmp_path_factory.mktemp("ppo") / "one.jsonl"
-    return run_example(SCRIPT, 1, out, *common(rollouts), *PPO, "--micro-batch-size", "12")
+    return 1, [*common(rollouts), *PPO, "--micro-batch-size", "12"]
 
 
 @pytest.mark.e2e
-def test_ppo_rollouts_layouts_agree(tmp_path, rollouts, ppo_reference):
+def test_ppo_rollouts_layouts_agree(runs, rollouts):
     """DP=2 with 3 micro-batches per rank against one rank with one micro-batch; the RL
     statistics agree too."""
     # check_finite also inspects every micro-batch input: the rollout tensors must be finite.
-    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *common(rollouts), *PPO,
-                      "--micro-batch-size", "2", "--lossfix-check-finite")  # fmt: skip
-    one = ppo_reference
+    one, two = runs.get(
+        ppo_reference(rollouts),
+        (2, [*common(rollouts), *PPO, "--micro-batch-size", "2", "--lossfix-check-finite"]),
+    )
     assert len(one) == len(two) == 3
     for rec in one:
         assert {"iteration", "loss", "grad_norm", "num_tokens", "step_time_s", *RL_STATS} <= set(
@@ -94,13 +99,15 @@ def test_ppo_rollouts_layouts_agree(tmp_path, rollouts, ppo_reference):
 
 
 @pytest.mark.e2e
-def test_ppo_rollouts_stock_megatron_disagrees(tmp_path, rollouts, ppo_reference):
+def test_ppo_rollouts_stock_megatron_disagrees(runs, rollouts):
     """With the plugin off, the 2-rank, 3-micro-batch run averages per micro-batch. (With one
     micro-batch on one rank, off and token_mean are the same computation.)"""
-    off = run_example(SCRIPT, 2, tmp_path / "off.jsonl", *common(rollouts), *PPO,
-                      "--micro-batch-size", "2", "--loss-reduction", "off")  # fmt: skip
-    loss_diff = max_rel_diff(ppo_reference, off, "loss")
-    norm_diff = max_rel_diff(ppo_reference, off, "grad_norm")
+    one, off = runs.get(
+        ppo_reference(rollouts),
+        (2, [*common(rollouts), *PPO, "--micro-batch-size", "2", "--loss-reduction", "off"]),
+    )
+    loss_diff = max_rel_diff(one, off, "loss")
+    norm_diff = max_rel_diff(one, off, "grad_norm")
     assert max(loss_diff, norm_diff) > 1e-3, f"stock Megatron agreed: {loss_diff}, {norm_diff}"
 
 
@@ -108,12 +115,6 @@ def test_ppo_rollouts_stock_megatron_disagrees(tmp_path, rollouts, ppo_reference
 GSPO = ["--policy-loss", "gspo", "--kl-coef", "0.1", "--kl-estimator", "k3",
         "--entropy-coef", "0.01", "--loss-reduction", "sequence_mean", "--no-attention",
         "--clip-eps-high", "0.28"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def gspo_reference(rollouts, tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("gspo") / "one.jsonl"
-    return run_example(SCRIPT, 1, out, *common(rollouts), *GSPO, "--micro-batch-size", "12")
 
 
 @pytest.mark.e2e
@@ -125,11 +126,13 @@ def gspo_reference(rollouts, tmp_path_factory) -> list[dict]:
     ],
     ids=["tp2", "cp2"],
 )
-def test_gspo_kl_entropy_layouts_agree(tmp_path, rollouts, gspo_reference, layout_args):
+def test_gspo_kl_entropy_layouts_agree(runs, rollouts, layout_args):
     """Vocab-parallel log-probs and entropy (TP2), sequence ratios and weights split over CP
     ranks (CP2); 3 micro-batches each, against one rank with one micro-batch."""
-    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *common(rollouts), *GSPO, *layout_args)
-    one = gspo_reference
+    one, two = runs.get(
+        (1, [*common(rollouts), *GSPO, "--micro-batch-size", "12"]),
+        (2, [*common(rollouts), *GSPO, *layout_args]),
+    )
     loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
     assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff, one, two)
     assert_rl_stats_agree(one, two)
@@ -142,13 +145,12 @@ SAMPLING = ["--train-iters", "3", "--prompts-per-step", "3", "--num-generations"
 
 
 @pytest.mark.e2e
-def test_sampling_mode_runs_and_is_layout_free(tmp_path):
+def test_sampling_mode_runs_and_is_layout_free(runs):
     """Sample -> reward -> GRPO advantages -> update, with the KL reference model, on 2 DP ranks
     (prompt groups of 4 straddle their slices of 6) and on 1: rewards are fractions in [0, 1],
     and the sampling noise belongs to the sequence, so both runs draw the same responses and
     take the same steps."""
-    two = run_example(SCRIPT, 2, tmp_path / "two.jsonl", *SAMPLING)
-    one = run_example(SCRIPT, 1, tmp_path / "one.jsonl", *SAMPLING)
+    two, one = runs.get((2, SAMPLING), (1, SAMPLING))
     assert [r["iteration"] for r in two] == [1, 2, 3]
     for rec in two:
         assert 0.0 <= rec["reward_mean"] <= 1.0

@@ -22,6 +22,7 @@ from helpers.megatron_lm_run import (
     archives_folder,
     skip_reason,
     tags_to_test,
+    tiny_gpt_args,
     unpack_tag,
 )
 from test_examples import max_rel_diff
@@ -222,7 +223,6 @@ class _Runs:
             from helpers.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
                 save_initial_checkpoint,
-                tiny_gpt_args,
                 write_padded_dataset,
             )
 
@@ -240,10 +240,16 @@ class _Runs:
     def get(self, checkout: str, layout: str, mode: str, model: str = "dense") -> list[dict]:
         """Per iteration: the ``--lossfix-metrics-out`` record (``fix``: token_mean) or the
         logged line (``stock``: no flag at all, Megatron-LM as released)."""
-        key = (checkout, layout, mode, model)
-        if key not in self.results:
-            from helpers.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+        self.fetch([(checkout, layout, mode, model)])
+        return self.results[checkout, layout, mode, model]
 
+    def fetch(self, keys: list[tuple[str, str, str, str]]) -> None:
+        """Train the runs of ``keys`` not trained yet, side by side where the cores allow."""
+        from helpers.megatron_lm_run import Launch, run_pretrain_gpts
+
+        missing = [key for key in dict.fromkeys(keys) if key not in self.results]
+        launches = []
+        for checkout, layout, mode, model in missing:
             copy, eod, data, load = self.copy(checkout, model)
             nproc, mbs, flags = (1, 1, []) if layout == "mb1" else LAYOUTS[layout]
             args = tiny_gpt_args(micro_batch_size=mbs, train_iters=ITERS, data_path=data, eod=eod)
@@ -254,13 +260,14 @@ class _Runs:
                 metrics = self.root / f"{copy.name}-{layout}-{model}.jsonl"
             else:
                 args += [f for f in flags if not f.startswith("--lossfix")]
-            result = run_pretrain_gpt(copy, args, nproc=nproc, metrics_out=metrics, timeout=3000)
+            launches.append(Launch(megatron_lm_path=copy, args=args, nproc=nproc,
+                                   metrics_out=metrics))  # fmt: skip
+        for key, result in zip(missing, run_pretrain_gpts(launches, timeout=3000), strict=True):
             assert result.returncode == 0, result.output[-4000:]
-            records = result.metrics if mode == "fix" else result.logged
+            records = result.metrics if key[2] == "fix" else result.logged
             iterations = [r["iteration"] for r in records]
             assert iterations == list(range(1, ITERS + 1)), result.output[-4000:]
             self.results[key] = records
-        return self.results[key]
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +288,9 @@ def test_patched_pretrain_gpt_is_layout_invariant(
     weights, for each model of ``MODELS``:
     with ``--loss-reduction token_mean`` the loss and the grad norm of every iteration agree to
     1e-6; stock Megatron-LM's do not."""
+    # The four runs of this test at once: side by side where they fit the cores.
+    lm_runs.fetch([(checkout, run, mode, model) for run in ("mb1", layout)
+                   for mode in ("fix", "stock")])  # fmt: skip
     reference = lm_runs.get(checkout, "mb1", "fix", model)
     fixed = lm_runs.get(checkout, layout, "fix", model)
     tokens = 8 * 64  # global batch x sequence length
@@ -366,10 +376,10 @@ EVAL_LAYOUTS = {"mb1": (1, 1), "mb4": (1, 4), "dp2": (2, 1)}
 _VALIDATION = re.compile(r"validation loss at iteration\s+(\d+).*?lm loss value: ([0-9.E+-]+)")
 
 
-def _validation_losses(lm_runs: _Runs, checkout: str, layout: str, mode: str) -> list[float]:
-    """The validation losses Megatron-LM logs after one training step at learning rate 0 (the
-    same weights in every layout), on a validation split of the masked data."""
-    from helpers.megatron_lm_run import run_pretrain_gpt, tiny_gpt_args
+def _validation_launch(lm_runs: _Runs, checkout: str, layout: str, mode: str):
+    """The run whose logged validation losses come after one training step at learning rate 0
+    (the same weights in every layout), on a validation split of the masked data."""
+    from helpers.megatron_lm_run import Launch
 
     copy, eod, data, load = lm_runs.copy(checkout, "dense")
     nproc, mbs = EVAL_LAYOUTS[layout]
@@ -379,7 +389,10 @@ def _validation_losses(lm_runs: _Runs, checkout: str, layout: str, mode: str) ->
     args += ["--eval-interval", "1", "--min-lr", "0"]
     if mode != "stock":
         args += ["--loss-reduction", mode]
-    result = run_pretrain_gpt(copy, args, nproc=nproc, timeout=3000)
+    return Launch(megatron_lm_path=copy, args=args, nproc=nproc)
+
+
+def _validation_losses(result) -> list[float]:
     assert result.returncode == 0, result.output[-4000:]
     values = [float(m[2]) for m in _VALIDATION.finditer(result.output)]
     assert values, result.output[-4000:]
@@ -388,7 +401,12 @@ def _validation_losses(lm_runs: _Runs, checkout: str, layout: str, mode: str) ->
 
 #: (mode, layout) pairs of the validation test: the routed mode under every layout, and stock
 #: (Megatron-LM's own token mean: token_mean without --sft is not routed) once, to differ from.
-VALIDATION_RUNS = (*(("sequence_mean", layout) for layout in EVAL_LAYOUTS), ("stock", "mb1"))
+#: One-rank runs first, so that they pair up on two cores.
+VALIDATION_RUNS = (
+    *(("sequence_mean", layout) for layout in EVAL_LAYOUTS if EVAL_LAYOUTS[layout][0] == 1),
+    ("stock", "mb1"),
+    *(("sequence_mean", layout) for layout in EVAL_LAYOUTS if EVAL_LAYOUTS[layout][0] > 1),
+)
 
 
 @needs_megatron_lm
@@ -399,7 +417,11 @@ def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str, repo
     plugin: the same value under micro-batch 1, 4 and DP2, and the sequence mean, not the token
     mean that stock evaluate() pools from [loss, tokens] (measured for every mode in the
     README)."""
-    got = {run: _validation_losses(lm_runs, checkout, run[1], run[0]) for run in VALIDATION_RUNS}
+    from helpers.megatron_lm_run import run_pretrain_gpts
+
+    launches = [_validation_launch(lm_runs, checkout, run[1], run[0]) for run in VALIDATION_RUNS]
+    results = run_pretrain_gpts(launches, timeout=3000)  # side by side where the cores allow
+    got = {run: _validation_losses(r) for run, r in zip(VALIDATION_RUNS, results, strict=True)}
     report_figure(f"Megatron-LM {checkout} validation losses: {got}")
     reference = got["sequence_mean", "mb1"]
     for layout in EVAL_LAYOUTS:

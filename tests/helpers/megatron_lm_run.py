@@ -9,7 +9,8 @@ For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
   2,000 tokens: its masks are all ones at small sequence lengths).
 - :func:`tiny_gpt_args` are the flags of a tiny CPU-friendly GPT run.
 - :func:`run_pretrain_gpt` launches ``torchrun ... pretrain_gpt.py`` and parses the log lines
-  and, with ``--lossfix-metrics-out``, the JSON metrics.
+  and, with ``--lossfix-metrics-out``, the JSON metrics; :func:`run_pretrain_gpts` runs several
+  side by side where the cores allow.
 
 - :func:`unpack_tag` unpacks a Megatron-LM source archive (``<tag>.tar.gz``, unpacking to
   ``Megatron-LM/``) from the folder named by ``MEGATRON_LM_ARCHIVES``; :func:`tags_to_test` says
@@ -34,11 +35,15 @@ from pathlib import Path
 from megatron_lossfix.integrations import patches
 
 __all__ = [
+    "Command",
+    "Launch",
     "RunResult",
     "checkout_null_tokenizer_eod",
     "megatron_lm_env",
     "patched_copy",
     "run_pretrain_gpt",
+    "run_pretrain_gpts",
+    "run_side_by_side",
     "save_initial_checkpoint",
     "skip_reason",
     "tags_to_test",
@@ -231,6 +236,16 @@ class RunResult:
     """The ``--lossfix-metrics-out`` records (full precision), if requested."""
 
 
+@dataclass(kw_only=True)
+class Launch:
+    """One ``torchrun ... pretrain_gpt.py`` of :func:`run_pretrain_gpts`."""
+
+    megatron_lm_path: str | os.PathLike
+    args: Sequence[str]
+    nproc: int = 1
+    metrics_out: str | os.PathLike | None = None
+
+
 def run_pretrain_gpt(
     megatron_lm_path: str | os.PathLike,
     args: Sequence[str],
@@ -240,29 +255,102 @@ def run_pretrain_gpt(
     timeout: float = 900,
 ) -> RunResult:
     """``torchrun --standalone --nproc-per-node NPROC PATH/pretrain_gpt.py ARGS``."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), str(Path(megatron_lm_path) / "pretrain_gpt.py"), *args,
-    ]  # fmt: skip
-    if metrics_out is not None:
-        cmd += ["--lossfix-metrics-out", str(metrics_out)]
-    proc = subprocess.run(
-        cmd,
-        cwd=str(megatron_lm_path),
-        env=megatron_lm_env(megatron_lm_path),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    output = proc.stdout + proc.stderr
-    logged = [
-        {"iteration": int(m[1]), "lm_loss": float(m[2]), "grad_norm": float(m[3])}
-        for m in _LOG_LINE.finditer(output)
-    ]
-    metrics = []
-    if metrics_out is not None and Path(metrics_out).exists():
-        metrics = [json.loads(line) for line in Path(metrics_out).read_text().splitlines()]
-    return RunResult(proc.returncode, output, logged, metrics)
+    launch = Launch(megatron_lm_path=megatron_lm_path, args=args, nproc=nproc,
+                    metrics_out=metrics_out)  # fmt: skip
+    return run_pretrain_gpts([launch], timeout=timeout)[0]
+
+
+def run_pretrain_gpts(
+    launches: Sequence[Launch], *, max_procs: int | None = None, timeout: float = 900
+) -> list[RunResult]:
+    """Run ``launches`` (each as :func:`run_pretrain_gpt`) side by side as
+    :func:`run_side_by_side` does; results in order."""
+    commands = []
+    for launch in launches:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(launch.nproc),
+            str(Path(launch.megatron_lm_path) / "pretrain_gpt.py"), *launch.args,
+        ]  # fmt: skip
+        if launch.metrics_out is not None:
+            cmd += ["--lossfix-metrics-out", str(launch.metrics_out)]
+        env = megatron_lm_env(launch.megatron_lm_path)
+        commands.append(Command(cmd=cmd, nproc=launch.nproc, cwd=launch.megatron_lm_path, env=env))
+    results = []
+    done = run_side_by_side(commands, max_procs=max_procs, timeout=timeout)
+    for launch, (returncode, output) in zip(launches, done, strict=True):
+        logged = [
+            {"iteration": int(m[1]), "lm_loss": float(m[2]), "grad_norm": float(m[3])}
+            for m in _LOG_LINE.finditer(output)
+        ]
+        metrics = []
+        path = launch.metrics_out
+        if path is not None and Path(path).exists():
+            metrics = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        results.append(RunResult(returncode, output, logged, metrics))
+    return results
+
+
+@dataclass(kw_only=True)
+class Command:
+    """One command of :func:`run_side_by_side` and how many processes it keeps busy."""
+
+    cmd: Sequence[str]
+    nproc: int = 1
+    cwd: str | os.PathLike | None = None
+    env: dict[str, str] | None = None
+
+
+def run_side_by_side(
+    commands: Sequence[Command], *, max_procs: int | None = None, timeout: float = 900
+) -> list[tuple[int, str]]:
+    """Run ``commands`` in order, each started as soon as its processes fit beside the running
+    ones within ``max_procs`` (default: the machine's cores plus one); returns each one's exit
+    status and output (stdout and stderr together), in order.
+
+    A torchrun launch spends most of its time importing torch and Megatron, one core per rank
+    and one process at a time in its launcher: two one-rank runs on two cores, or a one-rank run
+    beside a two-rank one, take little longer than one of them alone.
+    """
+    import tempfile
+    import time
+
+    budget = max_procs or (os.cpu_count() or 1) + 1
+    done: list[tuple[int, str] | None] = [None] * len(commands)
+    pending = list(range(len(commands)))
+    running: dict[int, tuple[subprocess.Popen, object, float]] = {}
+    try:
+        while pending or running:
+            busy = sum(commands[i].nproc for i in running)
+            if pending and (not running or busy + commands[pending[0]].nproc <= budget):
+                i = pending.pop(0)
+                log = tempfile.TemporaryFile("w+")
+                command = commands[i]
+                proc = subprocess.Popen(
+                    list(command.cmd),
+                    cwd=None if command.cwd is None else str(command.cwd),
+                    env=command.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                running[i] = (proc, log, time.monotonic())
+                continue
+            for i, (proc, log, started) in list(running.items()):
+                if proc.poll() is None and time.monotonic() - started > timeout:
+                    raise subprocess.TimeoutExpired(proc.args, timeout)
+                if proc.returncode is not None:
+                    del running[i]
+                    log.seek(0)
+                    done[i] = (proc.returncode, log.read())
+                    log.close()
+            time.sleep(0.2)
+    finally:
+        for proc, log, _ in running.values():
+            proc.kill()
+            proc.wait()
+            log.close()
+    return done
 
 
 def archives_folder() -> Path | None:
