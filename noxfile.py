@@ -23,6 +23,10 @@ extras and what Megatron-LM's training scripts import, and runs pytest on CPU/gl
   Python 3.12 with megatron-core 0.17.1, then 0.18.2 in the same virtualenv, ``RELEASE_TESTS``
   each (Megatron-LM at ``core_v0.17.1`` and ``core_v0.18.2``).
 
+In each tests session the files that launch the most processes (``SIDE_BY_SIDE``: Megatron-LM,
+Megatron-Core's schedule tests, the examples) run in a second pytest beside the rest; its output
+follows the first's.
+
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
 line, without it. While ``tests-3.11`` runs its tests, the wheels ``tests-3.12`` installs, then
@@ -63,6 +67,14 @@ RELEASE_TESTS = (
     "tests/test_mtp.py",
     "tests/test_megatron_lm.py::test_patched_pretrain_gpt_is_layout_invariant",
     "tests/test_upstream_schedules.py",
+)
+#: The test files that launch the most processes (Megatron-LM's ``pretrain_gpt.py``, Megatron-Core's
+#: schedule tests on 8 ranks, the example scripts): ``_pytest`` runs them in a second pytest
+#: beside the rest.
+SIDE_BY_SIDE = (
+    "tests/test_megatron_lm.py",
+    "tests/test_upstream_schedules.py",
+    "tests/test_examples.py",
 )
 #: What Megatron-LM's ``pretrain_gpt.py`` (``megatron/training``) and its schedule tests import
 #: beyond megatron-core; triton comes with torch's CUDA build but not with the CPU wheel.
@@ -178,14 +190,56 @@ def _install(session: nox.Session, python: str, release: str | None = None) -> N
 
 def _pytest(session: nox.Session, *default: str) -> None:
     """pytest, whose own summary line closes the output; fails when no test ran (pytest alone
-    exits 0 when every selected test skipped)."""
-    report = os.path.join(session.create_tmp(), "junit.xml")
-    session.run(
-        "python", "-m", "pytest", "-q", "-rs", "--durations=15", f"--junitxml={report}",
-        *(session.posargs or default),
-    )  # fmt: skip
-    suites = ElementTree.parse(report).getroot().iter("testsuite")
-    ran = sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
+    exits 0 when every selected test skipped).
+
+    Without arguments after ``--``, the files in ``SIDE_BY_SIDE`` run in a second pytest beside
+    the rest (its output follows the first's): most of their time is processes starting up, one
+    importing core each, and a single stream of tests leaves about a third of two cores idle."""
+    tmp = session.create_tmp()
+    selection = list(session.posargs or default)
+    groups = [selection]
+    if not session.posargs:
+        beside = [t for t in selection if t.split("::")[0] in SIDE_BY_SIDE]
+        if selection == ["tests"]:
+            beside = list(SIDE_BY_SIDE)
+            selection = ["tests", *(f"--ignore={path}" for path in SIDE_BY_SIDE)]
+        else:
+            selection = [t for t in selection if t not in beside]
+        groups = [g for g in (selection, beside) if g]
+    commands = [
+        [
+            os.path.join(session.bin, "python"), "-m", "pytest", "-q", "-rs", "--durations=15",
+            f"--junitxml={os.path.join(tmp, f'junit-{i}.xml')}",
+            f"--basetemp={os.path.join(tmp, f'pytest-{i}')}", *group,
+        ]
+        for i, group in enumerate(groups)
+    ]  # fmt: skip
+    # The second group writes to a file while the first streams; both run to the end.
+    logs = [os.path.join(tmp, f"pytest-{i}.log") for i in range(len(commands))]
+    path = session.bin + os.pathsep + os.environ["PATH"]
+    env = {**os.environ, **session.env, "PATH": path, "VIRTUAL_ENV": session.virtualenv.location}
+    background = []
+    for cmd, log in zip(commands[1:], logs[1:], strict=True):
+        session.log(f"beside it: {' '.join(cmd[1:])} (output: {log})")
+        with open(log, "w") as out:
+            background.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+    session.log(" ".join(commands[0][1:]))
+    try:
+        status = [subprocess.call(commands[0], env=env)]
+    finally:  # interrupted: take the second pytest down with the first
+        atexit.register(lambda: [p.kill() for p in background if p.poll() is None])
+    for proc, log in zip(background, logs[1:], strict=True):
+        status.append(proc.wait())
+        with open(log) as out:
+            print(out.read(), flush=True)
+    ran = 0
+    for i in range(len(commands)):
+        report = os.path.join(tmp, f"junit-{i}.xml")
+        if os.path.exists(report):
+            for suite in ElementTree.parse(report).getroot().iter("testsuite"):
+                ran += int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
+    if any(status):
+        session.error(f"pytest failed (exit status {', '.join(map(str, status))})")
     if ran == 0:
         session.error("no test ran")
 
