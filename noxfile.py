@@ -216,8 +216,9 @@ def _pytest(session: nox.Session, *default: str) -> None:
     ]  # fmt: skip
     # The second group writes to a file while the first streams; both run to the end.
     logs = [os.path.join(tmp, f"pytest-{i}.log") for i in range(len(commands))]
-    path = session.bin + os.pathsep + os.environ["PATH"]
-    env = {**os.environ, **session.env, "PATH": path, "VIRTUAL_ENV": session.virtualenv.location}
+    env = {**os.environ, **session.env, "VIRTUAL_ENV": session.virtualenv.location}
+    env = {k: v for k, v in env.items() if v is not None}  # nox's None: unset
+    env["PATH"] = session.bin + os.pathsep + os.environ["PATH"]
     background = []
     for cmd, log in zip(commands[1:], logs[1:], strict=True):
         session.log(f"beside it: {' '.join(cmd[1:])} (output: {log})")
