@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_lossfix.reduction import (
@@ -20,6 +21,7 @@ _SWITCHES: tuple[tuple[str, str], ...] = (
     ("validate", "--lossfix-no-validate"),
     ("check_finite", "--lossfix-check-finite"),
     ("data_is_cp_sharded", "no flag"),
+    ("self_check", "--lossfix-self-check"),
 )
 
 
@@ -62,6 +64,15 @@ class LossFixConfig:
     NaN or Inf (device syncs per micro-batch: for debugging runs, off by default). Plugin modes
     only: ``off`` looks at nothing of the step."""
 
+    self_check: bool = False
+    """At the first training step, re-run the same data split into other micro-batches and
+    raise ``SelfCheckError`` when the gradient changes (a loss normalized twice, or not through
+    the weights); one or two extra forward/backward passes, once (``selfcheck``)."""
+
+    self_check_tolerance: float = 1e-5
+    """The largest relative L2 gradient change the self-check accepts (1e-5 suits fp32; about
+    1e-2 with bf16/fp16 compute)."""
+
     def __post_init__(self) -> None:
         # The one validation of the settings: the flags (``args.from_args``) come through here
         # too, so Python and the command line refuse the same values with the same messages.
@@ -83,6 +94,16 @@ class LossFixConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty string (a batch key), got {value!r}")
+        tolerance = self.self_check_tolerance
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, (int, float))
+            or not (math.isfinite(tolerance) and tolerance > 0)
+        ):
+            raise ValueError(
+                "self_check_tolerance (--lossfix-self-check-tolerance) must be a finite number "
+                f"> 0, got {tolerance!r}"
+            )
         if self.loss_mask_key == self.weights_key:
             raise ValueError("loss_mask_key and weights_key must differ")
 

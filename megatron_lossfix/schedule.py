@@ -78,6 +78,7 @@ from megatron_lossfix.megatron_compat import (
     warn_if_untested,
 )
 from megatron_lossfix.metrics import StepState, reduce_step_metrics
+from megatron_lossfix.selfcheck import SelfCheck
 
 __all__ = ["LossFixSchedule", "StepGroups", "StepRefused", "resolve_groups"]
 
@@ -134,6 +135,8 @@ class LossFixSchedule:
         self._inner = forward_backward_func
         self._pg_collection = pg_collection
         self._last_step: StepState | None = None
+        self.self_check = SelfCheck(config) if config.self_check else None
+        """The first-step re-split check (``config.self_check``), with what it measured."""
         # The structural guard's verdict per model (see _structure_problem).
         self._structure: dict[tuple, str | None] = {}
 
@@ -142,12 +145,6 @@ class LossFixSchedule:
         """The record of the last step on this rank (None before the first step and after a
         refused one); :meth:`step_metrics` reduces it."""
         return self._last_step
-
-    def restore_last_step(self, record: StepState | None) -> None:
-        """Make ``record`` (an earlier ``last_step``) the last step's record again: for a caller
-        that re-ran a step's data and wants the metrics of the step it keeps (the
-        self-check)."""
-        self._last_step = record
 
     def _inner_func(self, model: Any = None, pp_group: Any = None) -> Callable[..., Any]:
         """The wrapped schedule; without one, Megatron's own. ``off`` asks for it exactly as
@@ -170,6 +167,27 @@ class LossFixSchedule:
         num_microbatches: int,
         **kwargs: Any,
     ) -> Any:
+        call = dict(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+        if self.self_check is not None and self.self_check.due(kwargs):
+            return self.self_check.run(self, self._unchecked_step, call)
+        return self._unchecked_step(**call)
+
+    def _unchecked_step(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        **kwargs: Any,
+    ) -> Any:
+        """One step without the self-check (what the check runs, and re-runs re-split)."""
         step = self._stock_step if self.config.reduction == "off" else self._plugin_step
         return step(forward_step_func, data_iterator, model, num_microbatches, kwargs)
 

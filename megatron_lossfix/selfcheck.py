@@ -1,8 +1,8 @@
 """Runtime self-check: the first step's gradient must not depend on how it is split.
 
 Every plugin mode but ``token_mean_legacy`` gives a gradient that does not depend on how the step
-is cut into micro-batches. ``SelfCheckingSchedule`` wraps a schedule (normally a
-:class:`~megatron_lossfix.LossFixSchedule`) and, on the first step(s):
+is cut into micro-batches. With ``LossFixConfig(self_check=True)`` (``--lossfix-self-check``) the
+schedule runs its first training step through :class:`SelfCheck`, which:
 
 1. runs the step normally, recording the micro-batches that ``forward_step`` reads from every
    data iterator (every pipeline stage and model chunk);
@@ -34,22 +34,19 @@ forward/backward passes and one gradient copy, once. Skipped with a warning: ``o
 capacity (batch-composition dependent by design, docs/design.md §1). MTP losses are normalized
 like the main loss, so they are checked too.
 
-Wire it from flags with :func:`with_self_check` (``--lossfix-self-check``).
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.metrics import StepState
 from megatron_lossfix.reduction import group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit
@@ -75,7 +72,7 @@ from megatron_lossfix.selfcheck_model import (
     zero_grads,
 )
 
-__all__ = ["SelfCheckError", "SelfCheckingSchedule", "with_self_check"]
+__all__ = ["SelfCheck", "SelfCheckError"]
 
 
 class SelfCheckError(RuntimeError):
@@ -100,17 +97,6 @@ class _Recorder:
         return item
 
 
-@runtime_checkable
-class RecordsSteps(Protocol):
-    """A schedule that keeps a record of its last step (``LossFixSchedule`` and its
-    integrations): the check puts the normal run's record back after its re-runs."""
-
-    @property
-    def last_step(self) -> StepState | None: ...
-
-    def restore_last_step(self, record: StepState | None) -> None: ...
-
-
 @dataclass(kw_only=True, slots=True)
 class _NormalRun:
     """What the normal run of the checked step left: to compare with, and to put back."""
@@ -126,7 +112,7 @@ class _NormalRun:
     result: Any
     """What the schedule returned (handed back to the caller)."""
     record: StepState | None
-    """The schedule's record of the step (None: the schedule keeps none)."""
+    """The schedule's record of the step."""
     rng: dict[str, Any]
     """The RNG states after the step."""
     buffers: list[torch.Tensor]
@@ -135,99 +121,56 @@ class _NormalRun:
     """Copies of the gradients after the step (full, not sharded)."""
 
 
-# ------------------------------------------------------------------------------ the wrapper
+# ------------------------------------------------------------------------------ the check
 
 
-class SelfCheckingSchedule:
-    """``schedule`` (same call signature) that checks split invariance on its first steps.
-
-    Args:
-        schedule: a :class:`~megatron_lossfix.LossFixSchedule` (or any ``forward_backward_func``).
-        tolerance: largest relative L2 change of the gradient (1e-5 suits fp32; with bf16/fp16
-            compute the re-split changes rounding: use about 1e-2).
-        iterations: how many of the first training steps (``forward_only=False``) to check.
-        model_parallel_group, expert_model_parallel_group: where squared norms are summed;
-            default (from ``pg_collection`` or parallel_state) Megatron's model-parallel
-            (TP x PP) and expert-tensor-model-pipeline groups.
+class SelfCheck:
+    """The first training step's re-split check, owned by a schedule whose config has
+    ``self_check=True``; the schedule hands it each step and the function that runs one.
 
     Raises :class:`SelfCheckError` (a ``RuntimeError``) on every rank when the gradient moved,
     after restoring the normal run's gradient. Skips, with a warning, reductions that depend on
     the split by definition (``off``, ``token_mean_legacy``) and models whose gradient does
-    (MoE auxiliary losses, token dropping, MTP). Other attributes (``step_metrics``,
-    ``last_step``, ``config``, ...) are the wrapped schedule's.
+    (MoE auxiliary losses, token dropping).
     """
 
-    def __init__(
-        self,
-        schedule: Callable[..., Any],
-        *,
-        tolerance: float = 1e-5,
-        iterations: int = 1,
-        model_parallel_group: dist.ProcessGroup | None = None,
-        expert_model_parallel_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        if (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, numbers.Real)
-            or not (math.isfinite(tolerance) and tolerance > 0)
-        ):
-            raise ValueError(
-                "tolerance (--lossfix-self-check-tolerance) must be a finite number > 0, got "
-                f"{tolerance!r}"
-            )
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
-        self.schedule = schedule
-        self.tolerance = float(tolerance)
-        self.iterations = int(iterations)
-        self.checked = 0
-        """Training steps seen by the check so far (checked or skipped)."""
+    def __init__(self, config: LossFixConfig) -> None:
+        self.tolerance = config.self_check_tolerance
+        self.checked = False
+        """Whether the first training step was seen (checked or skipped)."""
         self.last_error: float | None = None
-        """The relative gradient change the last check measured (None: none measured)."""
+        """The relative gradient change the check measured (None: none measured)."""
         self.last_plan: ResplitPlan | None = None
-        """How the last check re-split its step."""
+        """How the check re-split its step."""
         self.last_replica_spread: float | None = None
-        """How far the last checked step's gradient differed across data x context-parallel
+        """How far the checked step's gradient differed across data x context-parallel
         replicas (relative; 0 when they all hold the same reduced gradient)."""
-        self._mp_group = model_parallel_group
-        self._ep_group = expert_model_parallel_group
+        self._schedule: Any = None
+        self._step: Callable[..., Any] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        # Called only for names not found on the wrapper: the wrapped schedule's API.
-        if name == "schedule":
-            raise AttributeError(name)
-        return getattr(self.schedule, name)
+    def due(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call is the training step to check (the first one)."""
+        return not self.checked and not kwargs.get("forward_only")
 
-    def __call__(
-        self,
-        *,
-        forward_step_func: Callable,
-        data_iterator: Any,
-        model: Any,
-        num_microbatches: int,
-        **kwargs: Any,
-    ) -> Any:
-        call = dict(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            **kwargs,
-        )
-        if kwargs.get("forward_only") or self.checked >= self.iterations:
-            return self.schedule(**call)
-        self.checked += 1
-        reason = why_not_checkable(self.schedule, model)
-        if reason:
-            warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=2)
-            return self.schedule(**call)
-        return self._checked_step(call)
+    def run(self, schedule: Any, step: Callable[..., Any], call: dict) -> Any:
+        """Check ``call``, the first training step: ``step(**call)`` runs it unchecked;
+        ``schedule`` (a ``LossFixSchedule``) holds its config and its record of the step."""
+        self.checked = True
+        self._schedule, self._step = schedule, step
+        try:
+            reason = why_not_checkable(schedule, call["model"])
+            if reason:
+                warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=3)
+                return step(**call)
+            return self._checked_step(call)
+        finally:
+            self._schedule = self._step = None
 
     # -- the check -----------------------------------------------------------------------------
 
     def _checked_step(self, call: dict) -> Any:
         normal = self._normal_run(call)
-        groups = check_groups(call.get("pg_collection"), self._mp_group, self._ep_group)
+        groups = check_groups(call.get("pg_collection"))
         device = params_device(normal.params)
         # 2. The same data, split differently (every rank learns whether any rank can't).
         # Across ranks: every data x context-parallel replica must hold the same reduced
@@ -285,9 +228,8 @@ class SelfCheckingSchedule:
         recorders = [
             None if it is None else _Recorder(it) for it in (given if as_list else [given])
         ]
-        result = self.schedule(**{**call, "data_iterator": recorders if as_list else recorders[0]})
-        # The schedule's public record of the step (a plain forward_backward_func has none).
-        record = self.schedule.last_step if isinstance(self.schedule, RecordsSteps) else None
+        result = self._step(**{**call, "data_iterator": recorders if as_list else recorders[0]})
+        record = self._schedule.last_step
         rng = rng_state()
         buffers = [b.detach().clone() for b in module_buffers(chunks)]
         unshard_distributed_optimizer(chunks)
@@ -323,8 +265,8 @@ class SelfCheckingSchedule:
             for buf, saved in zip(module_buffers(normal.chunks), normal.buffers, strict=True):
                 buf.copy_(saved)
         set_rng_state(normal.rng)
-        if normal.record is not None and isinstance(self.schedule, RecordsSteps):
-            self.schedule.restore_last_step(normal.record)
+        # The metrics are the normal run's (the schedule's own record, set where it is kept).
+        self._schedule._last_step = normal.record
 
     def _eval_mode_runs(
         self, normal: _NormalRun, items: list, count: int, plan: ResplitPlan | None
@@ -350,7 +292,7 @@ class SelfCheckingSchedule:
         self, recorders: list, num_microbatches: int, plan: ResplitPlan | None
     ) -> tuple[list, str | None]:
         """Per iterator, the re-split items (None where no iterator was given), or a problem."""
-        mask_key = getattr(getattr(self.schedule, "config", None), "loss_mask_key", "loss_mask")
+        mask_key = self._schedule.config.loss_mask_key
         out: list = []
         for c, rec in enumerate(recorders):
             if rec is None:
@@ -384,7 +326,7 @@ class SelfCheckingSchedule:
         kwargs["num_microbatches"] = num_microbatches
         if plan is not None and plan.micro_batch_size is not None and "micro_batch_size" in call:
             kwargs["micro_batch_size"] = plan.micro_batch_size
-        self.schedule(**kwargs)
+        self._step(**kwargs)
 
     @staticmethod
     def _how(num_microbatches: int, plan: ResplitPlan | None) -> str:
@@ -420,7 +362,7 @@ class SelfCheckingSchedule:
         )
 
     def _message(self, error: float, num_microbatches: int, plan: ResplitPlan | None) -> str:
-        reduction = getattr(getattr(self.schedule, "config", None), "reduction", None)
+        reduction = self._schedule.config.reduction
         how = self._how(num_microbatches, plan)
         return (
             f"megatron_lossfix self-check failed: re-running the first step's data {how} "
@@ -437,18 +379,3 @@ class SelfCheckingSchedule:
             "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The normal "
             "run's gradient was restored."
         )
-
-
-def with_self_check(schedule: Callable[..., Any], args: argparse.Namespace) -> Callable[..., Any]:
-    """``schedule`` wrapped in :class:`SelfCheckingSchedule` when ``--lossfix-self-check`` was
-    given (with ``--lossfix-self-check-tolerance``), else ``schedule`` itself.
-
-    Raises ``ValueError`` when the check was asked for without ``--loss-reduction``.
-    """
-    if not getattr(args, "lossfix_self_check", False):
-        return schedule
-    if getattr(args, "loss_reduction", None) is None:
-        raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
-    return SelfCheckingSchedule(
-        schedule, tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5)
-    )

@@ -104,15 +104,16 @@ def test_schedule_from_args_without_the_flag_is_stock():
 
 def test_schedule_from_args_takes_the_mode_and_the_self_check():
     from megatron_lossfix import LossFixSchedule
-    from megatron_lossfix.selfcheck import SelfCheckingSchedule
+    from megatron_lossfix.selfcheck import SelfCheck
 
     plain = _schedule(["--loss-reduction", "sequence_mean", "--lossfix-no-validate"])
     assert isinstance(plain, LossFixSchedule)
     assert plain.config.reduction == "sequence_mean" and not plain.config.validate
     flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
     checked = _schedule([*flags, "--lossfix-self-check-tolerance", "0.01"])
-    assert isinstance(checked, SelfCheckingSchedule) and checked.tolerance == 0.01
-    assert checked.config.reduction == "sum"  # the wrapped schedule's config shows through
+    assert isinstance(checked, LossFixSchedule) and checked.config.reduction == "sum"
+    assert isinstance(checked.self_check, SelfCheck) and checked.self_check.tolerance == 0.01
+    assert plain.self_check is None
     with pytest.raises(ValueError, match="needs --loss-reduction"):
         _schedule(["--lossfix-self-check"])
     with pytest.raises(ValueError, match="--loss-norm-constant"):
