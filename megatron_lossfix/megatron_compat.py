@@ -97,6 +97,12 @@ class StepGroups:
     """Data x context-parallel group: the step's counts, checks and reported loss."""
     pp: dist.ProcessGroup | None
     """Pipeline group: finding the last (loss) stage, the verdict and metrics for every stage."""
+    tp: dist.ProcessGroup | None = None
+    """Tensor-parallel group (the self-check: who broadcasts batches, which copy to count)."""
+    mp: dist.ProcessGroup | None = None
+    """TP x PP (the self-check: squared norms of dense parameters; with dp_cp, every rank)."""
+    expert_mp: dist.ProcessGroup | None = None
+    """Expert TP x EP x PP (the self-check: squared norms of expert parameters)."""
 
     @property
     def dp_size(self) -> int:
@@ -142,18 +148,25 @@ def undo_mtp_averaging(
 
 
 def resolve_groups(pg_collection: Any = None) -> StepGroups:
-    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state."""
+    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state.
+    The self-check's model-parallel groups are None where neither has them."""
     from megatron.core import parallel_state as ps
 
     def pick(name: str, fallback: Callable[[], Any]) -> Any:
         group = getattr(pg_collection, name, None) if pg_collection is not None else None
         return group if group is not None else fallback()
 
+    def optional(fallback: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: fallback() if ps.model_parallel_is_initialized() else None
+
     return StepGroups(
         dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
         cp=pick("cp", ps.get_context_parallel_group),
         dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
         pp=pick("pp", ps.get_pipeline_model_parallel_group),
+        tp=pick("tp", optional(ps.get_tensor_model_parallel_group)),
+        mp=pick("mp", optional(ps.get_model_parallel_group)),
+        expert_mp=pick("tp_ep_pp", optional(ps.get_expert_tensor_model_pipeline_parallel_group)),
     )
 
 

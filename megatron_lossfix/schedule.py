@@ -93,6 +93,10 @@ def _check_num_microbatches(num_microbatches: Any) -> None:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
 
 
+#: The arguments every call names, in the order the steps take them.
+_CALL_ARGS = ("forward_step_func", "data_iterator", "model", "num_microbatches")
+
+
 class LossFixSchedule:
     """Megatron ``forward_backward_func`` with exact, layout-invariant loss normalization.
 
@@ -178,18 +182,11 @@ class LossFixSchedule:
             return self.self_check.run(self, self._unchecked_step, call)
         return self._unchecked_step(**call)
 
-    def _unchecked_step(
-        self,
-        *,
-        forward_step_func: Callable,
-        data_iterator: Any,
-        model: Any,
-        num_microbatches: int,
-        **kwargs: Any,
-    ) -> Any:
+    def _unchecked_step(self, **call: Any) -> Any:
         """One step without the self-check (what the check runs, and re-runs re-split)."""
         step = self._stock_step if self.config.reduction == "off" else self._plugin_step
-        return step(forward_step_func, data_iterator, model, num_microbatches, kwargs)
+        args = [call.pop(name) for name in _CALL_ARGS]
+        return step(*args, call)
 
     def _stock_step(
         self,

@@ -47,13 +47,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.megatron_compat import resolve_groups
 from megatron_lossfix.metrics import StepState
 from megatron_lossfix.reduction import group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit
 from megatron_lossfix.selfcheck_model import (
     agree_flags,
     broadcasts_batches,
-    check_groups,
     has_dropout,
     model_chunks,
     model_config_of,
@@ -170,7 +170,7 @@ class SelfCheck:
 
     def _checked_step(self, call: dict) -> Any:
         normal = self._normal_run(call)
-        groups = check_groups(call.get("pg_collection"))
+        groups = resolve_groups(call.get("pg_collection"))
         device = params_device(normal.params)
         # 2. The same data, split differently (every rank learns whether any rank can't).
         # Across ranks: every data x context-parallel replica must hold the same reduced
@@ -345,7 +345,7 @@ class SelfCheck:
         self, spread_max: float, spread: float, worst: int, normal: _NormalRun, groups: Any
     ) -> str:
         """The failure when data-parallel replicas hold different gradients."""
-        size = group_size(groups.data_parallel)
+        size = group_size(groups.dp_cp)
         if worst >= 0 and spread == spread_max:
             names = {id(p): n for c in normal.chunks for n, p in c.named_parameters()}
             where = f"most in {names.get(id(normal.params[worst]), 'a parameter')!r}"

@@ -11,22 +11,19 @@ same flags).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.megatron_compat import StepGroups
 from megatron_lossfix.reduction import group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit_plan
 
 __all__ = [
     "SPLIT_DEPENDENT_MODES",
-    "CheckGroups",
     "agree_flags",
     "broadcasts_batches",
-    "check_groups",
     "plan_resplit",
     "why_not_checkable",
     "grad_of",
@@ -101,20 +98,6 @@ def zero_grads(chunks: list) -> None:
                     grad.zero_()
 
 
-@dataclass(kw_only=True, slots=True)
-class CheckGroups:
-    """Where the check communicates; None: a group of one (nothing to reduce)."""
-
-    model_parallel: dist.ProcessGroup | None
-    """TP x PP: squared norms of dense parameters; with data_parallel, spans every rank."""
-    expert_model_parallel: dist.ProcessGroup | None
-    """Expert TP x EP x PP: squared norms of expert parameters."""
-    data_parallel: dist.ProcessGroup | None
-    """DP x CP: only for agreeing on flags (replicas hold the same reduced gradient)."""
-    tensor_parallel: dist.ProcessGroup | None
-    pipeline: dist.ProcessGroup | None
-
-
 def _counted(param: torch.nn.Parameter, tp_group: dist.ProcessGroup | None) -> bool:
     """Count each gradient element once over the model-parallel group, as Megatron's grad norm
     does: no TP-replicated copy but rank 0's, no tied-embedding copy."""
@@ -126,13 +109,13 @@ def _counted(param: torch.nn.Parameter, tp_group: dist.ProcessGroup | None) -> b
 
 
 def relative_error(
-    params: list[torch.nn.Parameter], reference: list[torch.Tensor | None], groups: CheckGroups
+    params: list[torch.nn.Parameter], reference: list[torch.Tensor | None], groups: StepGroups
 ) -> float:
     """Relative L2 distance between the current gradient and ``reference`` over the whole model."""
     sums = {}
     for param, ref in zip(params, reference, strict=True):
         grad = grad_of(param)
-        if ref is None or grad is None or not _counted(param, groups.tensor_parallel):
+        if ref is None or grad is None or not _counted(param, groups.tp):
             continue
         expert = not getattr(param, "allreduce", True)
         acc = sums.setdefault(expert, torch.zeros(2, dtype=torch.float64, device=grad.device))
@@ -140,7 +123,7 @@ def relative_error(
         acc[1] += ref.double().square().sum()
     total = torch.zeros(2, dtype=torch.float64)
     for expert in (False, True):
-        group = groups.expert_model_parallel if expert else groups.model_parallel
+        group = groups.expert_mp if expert else groups.mp
         acc = sums.get(expert)
         if acc is None:
             # Still take part in the collective: another rank of the group may hold such params.
@@ -155,7 +138,7 @@ def relative_error(
 def replica_spread(
     params: list[torch.nn.Parameter],
     grads: list[torch.Tensor | None],
-    groups: CheckGroups,
+    groups: StepGroups,
     device: torch.device,
 ) -> tuple[float, int]:
     """How far the gradient differs across the data x context-parallel replicas, which must all
@@ -173,13 +156,13 @@ def replica_spread(
         for i, (param, grad) in enumerate(zip(params, grads, strict=True))
         if grad is not None and getattr(param, "allreduce", True)
     ]
-    if group_size(groups.data_parallel) <= 1 or not dense:
+    if group_size(groups.dp_cp) <= 1 or not dense:
         return 0.0, -1
     sums = torch.stack(
         [torch.stack([g.double().sum(), g.double().square().sum()]) for _, g in dense]
     ).to(device)
     both = torch.cat([sums, -sums], dim=1)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.data_parallel)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.dp_cp)
     high, low = both[:, :2], -both[:, 2:]
     square = high[:, 1].clamp(min=1e-300)
     numel = torch.tensor([float(g.numel()) for _, g in dense], dtype=torch.float64, device=device)
@@ -305,64 +288,33 @@ def why_not_checkable(schedule: Any, model: Any) -> str | None:
     return None
 
 
-def check_groups(
-    pg_collection: Any,
-    model_parallel: dist.ProcessGroup | None = None,
-    expert_model_parallel: dist.ProcessGroup | None = None,
-) -> CheckGroups:
-    """The check's groups: those given, else the call's ``pg_collection``'s, else Megatron's
-    parallel state's (None everywhere when it is not initialized)."""
-    from megatron.core import parallel_state as ps
-
-    initialized = ps.model_parallel_is_initialized()
-    pg = pg_collection
-
-    def pick(given: Any, name: str, fallback: Callable[[], Any]) -> Any:
-        if given is not None:
-            return given
-        group = getattr(pg, name, None) if pg is not None else None
-        return group if group is not None else (fallback() if initialized else None)
-
-    return CheckGroups(
-        model_parallel=pick(model_parallel, "mp", ps.get_model_parallel_group),
-        expert_model_parallel=pick(
-            expert_model_parallel, "tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group
-        ),
-        data_parallel=pick(
-            None, "dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)
-        ),
-        tensor_parallel=pick(None, "tp", ps.get_tensor_model_parallel_group),
-        pipeline=pick(None, "pp", ps.get_pipeline_model_parallel_group),
-    )
-
-
-def agree_flags(flags: list[float], groups: CheckGroups, device: torch.device) -> list[float]:
+def agree_flags(flags: list[float], groups: StepGroups, device: torch.device) -> list[float]:
     """Element-wise max of per-rank flags over every rank of the model: the model-parallel
     group, then the data x context-parallel group (together they span the grid)."""
     tensor = torch.tensor(flags, dtype=torch.float64, device=device)
-    for group in (groups.model_parallel, groups.data_parallel):
+    for group in (groups.mp, groups.dp_cp):
         if group_size(group) > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.tolist()
 
 
-def broadcasts_batches(reads: bool, groups: CheckGroups, device: torch.device) -> bool:
+def broadcasts_batches(reads: bool, groups: StepGroups, device: torch.device) -> bool:
     """Whether some tensor-parallel group has ranks that read data (``reads``) and ranks that
     do not: then ``forward_step`` broadcasts the batch (Megatron-LM's
     ``get_batch_on_this_tp_rank``) into buffers of the configured micro-batch shape, and only a
     shape-keeping re-split works."""
     flags = torch.tensor([float(reads), float(not reads)], device=device)
-    if group_size(groups.tensor_parallel) > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.tensor_parallel)
+    if group_size(groups.tp) > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.tp)
     mixed = float(bool(flags[0] > 0 and flags[1] > 0))
     return bool(agree_flags([mixed], groups, device)[0])
 
 
 def plan_resplit(
-    call: dict, chunks: list, groups: CheckGroups, keep_shapes: bool
+    call: dict, chunks: list, groups: StepGroups, keep_shapes: bool
 ) -> ResplitPlan | None:
     """The re-split of the step ``call`` describes; every stage of a pipeline plans alike."""
-    pp = group_size(groups.pipeline)
+    pp = group_size(groups.pp)
     interleaved = None
     if len(chunks) > 1:
         config = model_config_of(chunks)

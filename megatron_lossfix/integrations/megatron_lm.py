@@ -41,6 +41,7 @@ from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
+from megatron_lossfix.reduction import group_size
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import SelfCheck
 
@@ -225,24 +226,9 @@ class MegatronLMLossFix:
         """The wrapped schedule's record of the last step."""
         return self.schedule.last_step
 
-    # Megatron-LM calls it exactly like the function it replaces.
-    def __call__(
-        self,
-        *,
-        forward_step_func: Callable,
-        data_iterator: Any,
-        model: Any,
-        num_microbatches: int,
-        **kwargs: Any,
-    ) -> list:
-        call = dict(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            **kwargs,
-        )
-        if self.self_check is not None and self.self_check.due(kwargs):
+    def __call__(self, **call: Any) -> list:
+        """Megatron-LM calls it exactly like the function it replaces (see :meth:`_step`)."""
+        if self.self_check is not None and self.self_check.due(call):
             return self.self_check.run(self.schedule, self._step, call)
         return self._step(**call)
 
@@ -255,7 +241,6 @@ class MegatronLMLossFix:
         num_microbatches: int,
         **kwargs: Any,
     ) -> list:
-        from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
         self._step_start = time.perf_counter()
@@ -279,12 +264,8 @@ class MegatronLMLossFix:
             self._sft_scale = float(num_microbatches * groups.dp_cp_size)
         # [contribution, indicator]: count 1 exactly once per step over the DP x CP group.
         self._indicator_pending = groups.dp_cp is None or dist.get_rank(groups.dp_cp) == 0
-        tp_group = getattr(kwargs.get("pg_collection"), "tp", None)
-        if tp_group is None:
-            tp_group = ps.get_tensor_model_parallel_group()
-        tp_rank = dist.get_rank(tp_group) if dist.get_world_size(tp_group) > 1 else 0
-        if dist.get_world_size(tp_group) == 1:
-            tp_group = None
+        tp_group = groups.tp if group_size(groups.tp) > 1 else None
+        tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         if groups.is_last_stage:
             data_iterator = self._loss_stage_iterators(data_iterator, tp_group, tp_rank)
         result = self.schedule(
