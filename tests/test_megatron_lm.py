@@ -267,6 +267,9 @@ class _Runs:
             records = result.metrics if key[2] == "fix" else result.logged
             iterations = [r["iteration"] for r in records]
             assert iterations == list(range(1, ITERS + 1)), result.output[-4000:]
+            if key[2] == "fix" and "--lossfix-self-check" in LAYOUTS.get(key[1], (0, 0, []))[2]:
+                # The flag reaches the schedule through from_args: the check ran and passed.
+                assert "megatron_lossfix self-check passed" in result.output, result.output[-4000:]
             self.results[key] = records
 
 
