@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.reduction import MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [

@@ -46,10 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_compat import resolve_groups
-from megatron_lossfix.metrics import StepState
-from megatron_lossfix.reduction import group_size
+from megatron_lossfix.reduction import LossFixConfig, group_size
 from megatron_lossfix.resplit import ResplitPlan, resplit
 from megatron_lossfix.selfcheck_model import (
     agree_flags,
@@ -111,7 +109,7 @@ class _NormalRun:
     """Per data iterator, what ``forward_step`` read from it (None: no iterator)."""
     result: Any
     """What the schedule returned (handed back to the caller)."""
-    record: StepState | None
+    record: Any
     """The schedule's record of the step."""
     rng: dict[str, Any]
     """The RNG states after the step."""

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.config import MODES
+from megatron_lossfix.reduction import MODES
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +73,7 @@ def test_each_mode_round_trips(mode):
         argv += ["--loss-norm-constant", "512"]
     config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
     assert isinstance(config, LossFixConfig) and config.reduction == mode
-    assert config.enabled == (mode != "off")
+    assert config.norm_constant == (512 if mode == "seq_mean_token_sum_norm" else None)
 
 
 def test_debug_flags_reach_the_config():

@@ -193,7 +193,7 @@ def layout_grads(
 
     from megatron_lossfix.audit import tiny_gpt
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.reduction import LossFixConfig
     from megatron_lossfix.schedule import LossFixSchedule
 
     tiny_gpt.init_layout(layout)

@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
-from megatron_lossfix.reduction import group_size
+from megatron_lossfix.reduction import LossFixConfig, group_size
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import SelfCheck
 
