@@ -1,25 +1,22 @@
 """``LossFixSchedule``: Megatron's ``forward_backward_func``, normalizing exactly.
 
-It takes the keyword arguments of the function ``get_forward_backward_func()`` returns. With
-``reduction="off"`` it calls the wrapped function with the caller's own arguments and returns
-its result unchanged. With a mode, one step (docs/design.md §3):
+Called with the keyword arguments of the function ``get_forward_backward_func()`` returns. With
+``off`` it calls the wrapped function with the caller's own arguments and returns its result
+unchanged. With a mode, one step (docs/design.md §3):
 
-1. the loss stage (last pipeline stage) reads the step's micro-batches and counts their loss
-   tokens and sequences (:meth:`LossFixSchedule._read`);
+1. the loss stage (last pipeline stage) reads the step's micro-batches (:meth:`_read`);
 2. every rank agrees that the step can run (:func:`_agree`): one all-reduce over the loss
    stage's DP x CP group carries the counts with the cross-rank checks, one over the pipeline
-   group the verdict. A problem on any rank makes every rank raise :class:`StepRefused`
-   instead of leaving its peers blocked in Megatron's communication;
-3. each micro-batch gets its weights, ``batch[config.weights_key]``;
+   group the verdict; a problem on any rank makes every rank raise :class:`StepRefused` rather
+   than leave its peers blocked in Megatron's communication;
+3. each micro-batch gets its weights, ``batch[config.weights_key]`` (:meth:`_weighted`);
 4. Megatron's schedule runs; each loss tuple is checked and multiplied by what undoes
-   Megatron's averaging (``megatron_compat.undo_averaging``), so the gradient is that of
-   ``sum(w * l)``;
-5. if a loss function failed inside the schedule (the loss stage ran on with zero losses), a
-   second small agreement refuses the step on every rank (:func:`_agree_after`).
+   Megatron's averaging, so the gradient is that of ``sum(w * l)`` (:meth:`_wrap`);
+5. if a loss function failed inside it (the loss stage ran on with zero losses), a second small
+   agreement refuses the step on every rank (:func:`_agree_after`).
 
-Loss functions return ``(sum(weights * per_token_loss), num_tokens, report)``. Nothing in the
-micro-batch loop synchronizes with the host. Not covered by the agreement: tensor-parallel peers
-(they read the same data and fail alike).
+Nothing in the micro-batch loop synchronizes with the host. Tensor-parallel peers are not part
+of the agreement: they read the same data and fail alike.
 """
 
 from __future__ import annotations
@@ -32,31 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.megatron_compat import (
-    StepGroups,
-    resolve_groups,
-    schedule_for,
-    undo_averaging,
-    undo_mtp_averaging,
-    unreduced_gradients,
-    warn_if_untested,
-)
+import megatron_lossfix.megatron_compat as megatron_compat
+import megatron_lossfix.reduction as reduction
 from megatron_lossfix.mtp import MTPStep, active, mtp_step
-from megatron_lossfix.reduction import (
-    MODES,
-    LossFixConfig,
-    StepCounts,
-    bad_mask_message,
-    bad_mask_values,
-    count_tokens,
-    float_masks,
-    segment_ids,
-    shifted_masks,
-    weights_from_counts,
-)
+from megatron_lossfix.reduction import LossFixConfig, StepCounts
 from megatron_lossfix.selfcheck import SelfCheck
-
-__all__ = ["LossFixSchedule", "ProblemOnAnotherRank", "StepRefused", "StepState"]
 
 
 class StepRefused(ValueError):
@@ -97,18 +74,16 @@ REFUSAL_PREFIX = "megatron_lossfix refused this step: "
 def local_problem(kind: int, message: str, cause: BaseException | None = None) -> StepRefused:
     """This rank's reason to refuse the step, which the agreement tells every rank."""
     problem = StepRefused(message)
-    problem.kind = kind
-    problem.__cause__ = cause
+    problem.kind, problem.__cause__ = kind, cause
     return problem
 
 
 @dataclass(slots=True)
 class StepState:
-    """One step on this rank, filled in by the schedule as it runs (tensors stay on device);
-    :meth:`LossFixSchedule.step_metrics` reduces it."""
+    """One step on this rank, filled in by the schedule as it runs (tensors stay on device)."""
 
     reduction: str
-    groups: StepGroups | None
+    groups: megatron_compat.StepGroups | None
     """None with ``off`` until the metrics resolve them."""
     num_microbatches: int = 0
     per_token: bool = False
@@ -131,8 +106,7 @@ class StepState:
     reports: list[Any] = field(default_factory=list)
     """The loss functions' reports (``off``: the list Megatron's schedule returned)."""
     problem: StepRefused | None = None
-    """Why this rank refuses the step: found before the schedule (the agreement tells every
-    rank), or inside it (the loss stage runs on with zero losses; the agreement after)."""
+    """Why this rank refuses the step, found before the schedule or inside it."""
     mtp: MTPStep | None = None
     """The MTP layers' weights and recorded losses (plugin modes, loss stage)."""
 
@@ -170,7 +144,7 @@ class LossFixSchedule:
                 "forward_backward_func must be Megatron's schedule function (callable) or None, "
                 f"got {type(forward_backward_func).__name__}"
             )
-        warn_if_untested()
+        megatron_compat.warn_if_untested()
         self.config = config
         self._inner = forward_backward_func
         self._pg_collection = pg_collection
@@ -181,7 +155,7 @@ class LossFixSchedule:
 
     @property
     def last_step(self) -> StepState | None:
-        """This rank's record of the last step (None before the first and after a refused one)."""
+        """This rank's record of the last step (None before the first, after a refused one)."""
         return self._last_step
 
     def __call__(
@@ -209,9 +183,11 @@ class LossFixSchedule:
         self._last_step = None  # a refused step leaves no metrics behind
         if self.config.reduction != "off":
             return self._plugin_step(call)
-        # ``off``: the caller's own objects; its result, unchanged, is what the metrics read.
-        func = self._inner or _megatron_schedule()
-        result = func(**call)
+        if self._inner is None:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            self._inner = get_forward_backward_func()
+        result = self._inner(**call)  # the caller's own objects, the result unchanged
         pg_collection = call.get("pg_collection")
         self._last_step = StepState(
             reduction="off",
@@ -224,18 +200,17 @@ class LossFixSchedule:
         return result
 
     def _plugin_step(self, call: dict) -> Any:
-        """Read and count, agree, weight, run Megatron's schedule, agree again."""
+        """Read, agree (with the counts), weight, run Megatron's schedule, agree again."""
         cfg, model, m = self.config, call["model"], call["num_microbatches"]
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             # The same argument on every rank: every rank raises here, before any collective.
             raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
         chunks = model if isinstance(model, list) else [model]
-        model_config, error = _model_config(chunks[0])
+        model_config, error = _model_settings(cfg, chunks[0])
         mtp_layers = int(getattr(model_config, "mtp_num_layers", None) or 0)
-        _refuse_shared_settings(cfg, model_config, mtp_layers)
         if call.get("pg_collection") is None and self._pg_collection is not None:
             call["pg_collection"] = self._pg_collection
-        groups = resolve_groups(call.get("pg_collection"))
+        groups = megatron_compat.resolve_groups(call.get("pg_collection"))
         per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
         state = StepState(
             reduction=cfg.reduction,
@@ -248,20 +223,21 @@ class LossFixSchedule:
         given = call["data_iterator"]
         iterators = list(given) if isinstance(given, list) else [given]
         if error is not None:
-            state.problem = local_problem(OTHER, f"preparing the step raised {error}", error)
+            message = f"preparing the step raised {type(error).__name__}: {error}"
+            state.problem = local_problem(OTHER, message, error)
         elif groups.is_last_stage:
             self._read(state, iterators[-1], mtp_layers)
         unreduced = self._structure_problem(chunks, state)
         if unreduced is not None:
             state.problem = unreduced  # the fix to name first: no step can be right without it
-        mtp_masks = [shifted_masks(state.masks, j) for j in range(1, mtp_layers + 1)]
+        mtp_masks = [reduction.shifted_masks(state.masks, j) for j in range(1, mtp_layers + 1)]
         mtp_counts = _agree(cfg, state, mtp_masks, mtp_layers)
         self._last_step = state
         if groups.is_last_stage:
             iterators[-1] = self._weighted(state, mtp_masks, mtp_counts)
             call["forward_step_func"] = self._wrap(call["forward_step_func"], iterators[-1], state)
         call["data_iterator"] = iterators if isinstance(given, list) else iterators[0]
-        result = (self._inner or schedule_for(model, groups.pp))(**call)
+        result = (self._inner or megatron_compat.schedule_for(model, groups.pp))(**call)
         try:
             _agree_after(state)
         except StepRefused:
@@ -269,29 +245,29 @@ class LossFixSchedule:
             raise
         return result
 
-    # ------------------------------------------------------------------ before the schedule
     def _read(self, state: StepState, source: Any, mtp_layers: int) -> None:
         """The loss stage's micro-batches, float masks and packed-sequence segments; what
-        goes wrong becomes ``state.problem``, which every rank hears of."""
-        cfg = self.config
+        goes wrong becomes ``state.problem``."""
+        key = self.config.loss_mask_key
         try:
             state.batches = _read_batches(source, state.num_microbatches)
             for k, batch in enumerate(state.batches):
-                if not isinstance(batch, Mapping) or cfg.loss_mask_key not in batch:
+                if not isinstance(batch, Mapping) or key not in batch:
                     keys = f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""
                     raise local_problem(
                         NOT_DICT,
-                        f"micro-batch {k} must be a dict holding the loss mask under "
-                        f"{cfg.loss_mask_key!r} (LossFixConfig.loss_mask_key); got "
-                        f"{type(batch).__name__}{keys}",
+                        f"micro-batch {k} must be a dict holding the loss mask under {key!r} "
+                        f"(LossFixConfig.loss_mask_key); got {type(batch).__name__}{keys}",
                     )
             try:
-                masks = float_masks([b[cfg.loss_mask_key] for b in state.batches])
-                segments = [_segments(cfg, b, masks[k], k) for k, b in enumerate(state.batches)]
+                masks = reduction.float_masks([b[key] for b in state.batches])
+                state.segments = [
+                    _segments(self.config, b, masks[k], k) for k, b in enumerate(state.batches)
+                ]
             except ValueError as exc:
                 raise local_problem(MALFORMED, str(exc)) from None
-            state.masks, state.segments = masks, segments
-            if mtp_layers and any(seg is not None for seg, _ in segments):
+            state.masks = masks
+            if mtp_layers and any(seg is not None for seg, _ in state.segments):
                 raise local_problem(
                     MTP_PROBLEM,
                     "packed micro-batches (cu_seqlens) with multi-token prediction: the "
@@ -300,63 +276,65 @@ class LossFixSchedule:
         except StepRefused as exc:
             state.problem = exc
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
-            state.problem = local_problem(
-                OTHER, f"preparing the step raised {type(exc).__name__}: {exc}", exc
-            )
+            message = f"preparing the step raised {type(exc).__name__}: {exc}"
+            state.problem = local_problem(OTHER, message, exc)
 
     def _structure_problem(self, chunks: list, state: StepState) -> StepRefused | None:
         """The structural guard (``unreduced_gradients``), cached per model, config and size."""
         key = (*map(id, chunks), id(state.model_config), state.groups.dp_cp_size)
         if key not in self._structure:
             try:
-                self._structure[key] = unreduced_gradients(chunks, state.model_config, state.groups)
+                message = megatron_compat.unreduced_gradients(
+                    chunks, state.model_config, state.groups
+                )
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-                name = type(exc).__name__
-                self._structure[key] = f"checking the model's DP wrapping raised {name}: {exc}"
+                message = f"checking the model's DP wrapping raised {type(exc).__name__}: {exc}"
+            self._structure[key] = message
         message = self._structure[key]
         return None if message is None else local_problem(UNREDUCED, message)
 
-    def _weighted(
-        self, state: StepState, mtp_masks: list, mtp_counts: list[StepCounts]
-    ) -> Iterator[dict]:
+    def _weighted(self, state: StepState, mtp_masks: list, mtp_counts: list) -> Iterator[dict]:
         """The loss stage's micro-batches with their weights (and ``state.mtp``)."""
         cfg = self.config
         weights = state.masks  # per-token token_mean: Megatron's division by N is exact
         if not state.passthrough:
-            seg = [s for s, _ in state.segments]
-            weights = weights_from_counts(
+            weights = reduction.weights_from_counts(
                 state.masks,
                 state.counts,
                 cfg.reduction,
                 norm_constant=cfg.norm_constant,
-                segment_ids=seg,
+                segment_ids=[s for s, _ in state.segments],
             )
         if mtp_counts:
-            factor = undo_mtp_averaging(
+            factor = megatron_compat.undo_mtp_averaging(
                 state.per_token, state.counts.num_tokens, state.num_microbatches, state.groups
             )
             scaling = state.model_config.mtp_loss_scaling_factor
+            microbatch = lambda: state.microbatch  # noqa: E731 - read when the hooks run
             state.mtp = mtp_step(
-                cfg, mtp_masks, mtp_counts, factor, state.groups, scaling, lambda: state.microbatch
+                cfg, mtp_masks, mtp_counts, factor, state.groups, scaling, microbatch
             )
-        for k, batch in enumerate(state.batches):
-            state.microbatch = k
-            if cfg.check_finite:
-                _check_finite(batch.items(), f"micro-batch {k}: {{!r}} holds NaN or Inf")
-            yield {**batch, cfg.weights_key: weights[k]}
 
-    # ------------------------------------------------------------------ inside the schedule
+        def batches() -> Iterator[dict]:  # a generator: the code above runs now, not lazily
+            for k, batch in enumerate(state.batches):
+                state.microbatch = k
+                if cfg.check_finite:
+                    _check_finite(batch.items(), f"micro-batch {k}: {{!r}} holds NaN or Inf")
+                yield {**batch, cfg.weights_key: weights[k]}
+
+        return batches()
+
     def _wrap(self, forward_step_func: Callable, step_iter: Iterator, state: StepState) -> Callable:
         """``forward_step_func`` whose loss function, on the loss chunk, is checked, recorded
-        and rescaled; an error there is recorded and Megatron gets a zero loss."""
+        and rescaled; on an error the problem is recorded and Megatron gets a zero loss."""
         scale = None
         if not state.passthrough:
-            scale = undo_averaging(
+            scale = megatron_compat.undo_averaging(
                 state.per_token, state.counts.num_tokens, state.num_microbatches, state.groups
             )
 
         def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
-            if data_iterator is not step_iter:  # another model chunk: Megatron never calls its loss
+            if data_iterator is not step_iter:  # another chunk: Megatron never calls its loss
                 return forward_step_func(data_iterator, model, *args)
             with active(state.mtp):  # the model computes its MTP losses in this call
                 output, loss_func = forward_step_func(data_iterator, model, *args)
@@ -391,11 +369,8 @@ class LossFixSchedule:
     def _convert(self, outputs: Any, k: int, scale: Any, state: StepState) -> tuple:
         """Check and record one micro-batch's loss tuple; what Megatron should receive."""
         if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-            got = (
-                f"a tuple of length {len(outputs)}"
-                if isinstance(outputs, (tuple, list))
-                else type(outputs).__name__
-            )
+            is_tuple = isinstance(outputs, (tuple, list))
+            got = f"a tuple of length {len(outputs)}" if is_tuple else type(outputs).__name__
             raise ValueError(
                 f"loss_func must return (loss, num_tokens, report) or (loss, report); got {got}"
             )
@@ -427,37 +402,26 @@ class LossFixSchedule:
             return outputs  # Megatron's own semantics, untouched
         return (loss * scale, outputs[1], report) if state.per_token else (loss * scale, report)
 
-    # ------------------------------------------------------------------ metrics
     def step_metrics(self) -> dict[str, float]:
         """The last step's global metrics, on every rank (collectives over DP x CP and PP).
 
         ``loss`` is L (docs/design.md §2), ``num_tokens`` N, ``num_sequences`` S,
-        ``mtp_loss_<j>`` each MTP layer's; report entries that are 0-dim tensors named
-        ``*_sum``/``*_count``, ``*_max``, ``*_min`` are summed, maxed, minimized over DP x CP.
-        With ``off`` only the reports Megatron returned are reduced, by the same rules.
+        ``mtp_loss_<j>`` each MTP layer's; 0-dim report entries named ``*_sum``/``*_count``,
+        ``*_max``, ``*_min`` are summed, maxed, minimized over DP x CP. With ``off`` only the
+        reports Megatron returned are reduced, by the same rules.
         """
         return reduce_step_metrics(self._last_step)
 
 
-def _megatron_schedule() -> Callable[..., Any]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()
-
-
-def _model_config(chunk: Any) -> tuple[Any, Exception | None]:
-    """The model's config (a plain ModelParallelConfig lacks the plugin's fields: Megatron's
-    defaults), or the error reading it raised."""
+def _model_settings(config: LossFixConfig, chunk: Any) -> tuple[Any, Exception | None]:
+    """The model's config, or the error reading it raised; settings that are the same on every
+    rank and that the plugin cannot serve are refused here, before any collective."""
     try:
         from megatron.core.utils import get_model_config
 
-        return get_model_config(chunk), None
+        model_config = get_model_config(chunk)
     except Exception as exc:  # noqa: BLE001 - the agreement tells every rank
         return None, exc
-
-
-def _refuse_shared_settings(config: LossFixConfig, model_config: Any, mtp_layers: int) -> None:
-    """Settings that are the same on every rank: each raises here, before any collective."""
     if getattr(model_config, "hybrid_context_parallel", False):
         # Megatron 0.19's hybrid CP calls forward_step once per sub-sample.
         raise StepRefused(
@@ -466,6 +430,7 @@ def _refuse_shared_settings(config: LossFixConfig, model_config: Any, mtp_layers
             "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
             "per-token mode is the exact token mean)"
         )
+    mtp_layers = getattr(model_config, "mtp_num_layers", None)
     if mtp_layers and config.data_is_cp_sharded:
         # MTP layers read the masks of later positions, which CP shards do not hold.
         raise StepRefused(
@@ -473,14 +438,13 @@ def _refuse_shared_settings(config: LossFixConfig, model_config: Any, mtp_layers
             "sequences from the data iterator (data_is_cp_sharded=False): slice them for "
             "context parallelism in forward_step"
         )
+    return model_config, None
 
 
 def _read_batches(source: Any, num_microbatches: int) -> list:
     if source is None:
-        raise local_problem(
-            NO_ITERATOR,
-            "the last pipeline stage needs a data iterator: it holds the loss (got None)",
-        )
+        message = "the last pipeline stage needs a data iterator: it holds the loss (got None)"
+        raise local_problem(NO_ITERATOR, message)
     batches = []
     for k in range(num_microbatches):
         try:
@@ -492,12 +456,11 @@ def _read_batches(source: Any, num_microbatches: int) -> list:
                 f"num_microbatches={num_microbatches}",
             ) from None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-            hint = (
-                ""
-                if hasattr(source, "__next__")
-                else "; pass an iterator (iter(...)), not an iterable"
+            hint = "; pass an iterator (iter(...)), not an iterable"
+            message = (
+                f"reading micro-batch {k} from the data iterator raised {type(exc).__name__}: "
+                f"{exc}{'' if hasattr(source, '__next__') else hint}"
             )
-            message = f"reading micro-batch {k} from the data iterator raised {type(exc).__name__}: {exc}{hint}"
             raise local_problem(UNREADABLE, message, exc) from exc
     return batches
 
@@ -513,7 +476,7 @@ def _segments(config: LossFixConfig, batch: Mapping, mask: torch.Tensor, k: int)
             "packed sequences need whole sequences from the data iterator: slice them for "
             "context parallelism in forward_step (data_is_cp_sharded=False)"
         )
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
         raise ValueError(
             f"micro-batch {k}: {key!r} must be a 1-D tensor of cumulative sequence lengths "
             "starting at 0"
@@ -523,12 +486,12 @@ def _segments(config: LossFixConfig, batch: Mapping, mask: torch.Tensor, k: int)
             f"micro-batch {k} is packed ({key!r} given) but its mask is {tuple(mask.shape)}; "
             "packed micro-batches are [1, total_tokens]"
         )
-    return segment_ids(cu_seqlens.to(device=mask.device), mask.shape[1])
+    return reduction.segment_ids(cu_seqlens.to(device=mask.device), mask.shape[1])
 
 
 def _check_finite(entries: Any, message: str, bad: Callable = lambda t: ~torch.isfinite(t)) -> None:
-    """Raise ``FloatingPointError`` (``message`` names the key) for the first floating tensor
-    among ``(key, value)`` entries holding a value ``bad`` flags (check_finite)."""
+    """Raise ``FloatingPointError`` for the first floating tensor among ``(key, value)``
+    ``entries`` holding a value ``bad`` flags; ``message`` names the key."""
     for key, value in entries:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and bool(bad(value).any()):
             raise FloatingPointError(message.format(key) + " (check_finite is on)")
@@ -548,8 +511,8 @@ def _zero_loss(output_tensor: Any, per_token: bool) -> tuple:
 
 # ---------------------------------------------------------------------- the two agreements
 def default_device() -> torch.device:
-    """Where the agreement's vector lives: NCCL reduces CUDA tensors only, and every stage must
-    bring the same kind of tensor to the pipeline all-reduce."""
+    """The agreement's device: NCCL reduces CUDA tensors only, and every stage must bring the
+    same kind of tensor to the pipeline all-reduce."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -561,14 +524,14 @@ def _rank() -> int:
 
 def reduce_over(vec: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``vec`` summed over ``group`` in place (nothing is sent for a group of one)."""
-    if group is not None and dist.get_world_size(group) > 1:
+    if reduction.group_size(group) > 1:
         dist.all_reduce(vec, group=group)
     return vec
 
 
-def fingerprint(reduction: str, per_token: bool) -> float:
-    """A small integer that differs between any two (reduction, per-token) settings."""
-    return float(1 + 2 * MODES.index(reduction) + int(per_token))
+def fingerprint(mode: str, per_token: bool) -> float:
+    """A small integer that differs between any two (mode, per-token) settings."""
+    return float(1 + 2 * reduction.MODES.index(mode) + int(per_token))
 
 
 def agreement_vector(
@@ -585,7 +548,7 @@ def agreement_vector(
 def verdict(
     values: list[float],
     groups: Any,
-    reduction: str,
+    mode: str,
     per_token: bool,
     problem: StepRefused | None,
     bad: torch.Tensor | None,
@@ -596,15 +559,15 @@ def verdict(
         where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
         raise StepRefused(
             f"{REFUSAL_PREFIX}{where} disagree on the loss reduction or calculate_per_token_loss "
-            f"(this rank: {reduction!r}, per-token={per_token}); give every "
-            "rank the same --loss-reduction"
+            f"(this rank: {mode!r}, per-token={per_token}); give every rank the same "
+            "--loss-reduction"
         )
     if values[SLOT_PROBLEMS] <= 0:
         return
     if problem is not None:
         raise StepRefused(f"{REFUSAL_PREFIX}{problem}") from problem.__cause__
     if bad is not None and bool(bad.any()):
-        raise StepRefused(REFUSAL_PREFIX + bad_mask_message(int(bad.nonzero()[0, 0])))
+        raise StepRefused(REFUSAL_PREFIX + reduction.bad_mask_message(int(bad.nonzero()[0, 0])))
     kinds = [KINDS[i] for i in range(len(KINDS)) if values[SLOT_KIND0 + i] > 0]
     count = int(values[SLOT_PROBLEMS])
     who = f"global rank {int(values[SLOT_RANK_SUM]) - 1}" if count == 1 else f"{count} ranks"
@@ -620,8 +583,8 @@ def _agree(
     """Count the step's tokens and agree, on every rank of the step, that it can run.
 
     The loss stage sums ``[N, S, fp, fp**2, problems...]`` over DP x CP (CP ranks hold the same
-    sequences, so N and S are divided by the CP size), then every stage sums the verdict over
-    the pipeline group; all fingerprints are equal exactly when ``sum(fp)**2 == n *
+    sequences: N and S are divided by the CP size), then every stage the verdict over the
+    pipeline group; the fingerprints are all equal exactly when ``sum(fp)**2 == n *
     sum(fp**2)``. One device sync, after the last collective. Fills ``state.counts`` on the
     loss stage; returns each MTP layer's counts (they ride in the same all-reduce).
     """
@@ -629,22 +592,23 @@ def _agree(
     fp = fingerprint(config.reduction, state.per_token)
     vec = agreement_vector(problem, _rank(), default_device(), mtp_layers)
     vec[SLOT_FP], vec[SLOT_FP2] = fp, fp * fp
-    # CP shards need one more all-reduce (of n_s, over CP), of a size only healthy ranks know:
-    # counted after the verdict.
+    # CP shards need one more all-reduce (n_s over CP), of a size only healthy ranks know: they
+    # are counted after the verdict.
     sharded_cp = config.data_is_cp_sharded and groups.cp_size > 1
     bad, local = None, []
-    seg = [s for s, _ in state.segments]
-    num = [n for _, n in state.segments]
+    seg, num = [s for s, _ in state.segments], [n for _, n in state.segments]
     if groups.is_last_stage:
         if problem is None and config.validate:
-            bad = bad_mask_values(state.masks)
+            bad = reduction.bad_mask_values(state.masks)
             flagged = bad.any().to(device=vec.device, dtype=torch.float64)
             vec[SLOT_PROBLEMS] += flagged
             vec[SLOT_RANK_SUM] += flagged * (_rank() + 1)
             vec[SLOT_KIND0 + MASK_VALUES] += flagged
         if problem is None and not sharded_cp:
             for j, masks in enumerate([state.masks, *mtp_masks]):
-                counts = count_tokens(masks, global_counts=False, segment_ids=seg, num_segments=num)
+                counts = reduction.count_tokens(
+                    masks, global_counts=False, segment_ids=seg, num_segments=num
+                )
                 at = SLOT_N if j == 0 else VECTOR_LEN + 2 * (j - 1)
                 vec[at], vec[at + 1] = counts.num_tokens, counts.num_sequences
                 local.append((counts, at))
@@ -660,7 +624,7 @@ def _agree(
     if not groups.is_last_stage:
         return []
     if sharded_cp:
-        state.counts = count_tokens(
+        state.counts = reduction.count_tokens(
             state.masks, dp_group=groups.dp, cp_group=groups.cp, segment_ids=seg, num_segments=num
         )
         return []
@@ -679,9 +643,8 @@ def _agree(
 
 
 def _agree_after(state: StepState) -> None:
-    """Refuse the step on every rank if the loss stage hit an error inside the schedule (it
-    ran on with a zero loss, so no peer was left blocked): one small all-reduce over DP x CP
-    (loss stage) and the pipeline group. A single-rank step needs none (no device sync)."""
+    """Refuse the step on every rank if the loss stage hit an error inside the schedule: one
+    small all-reduce over DP x CP (loss stage) and the pipeline group; none on a single rank."""
     groups, problem = state.groups, state.problem
     if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
         return
@@ -694,15 +657,14 @@ def _agree_after(state: StepState) -> None:
 
 
 # ---------------------------------------------------------------------- metrics
-_SUFFIXES = ("_sum", "_count", "_max", "_min")
-
-
 def scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:
     """The reports' 0-dim entries named ``*_sum``, ``*_count``, ``*_max``, ``*_min``, by name."""
     stats: dict[str, list[torch.Tensor]] = {}
     for report in reports:
         for key, value in report.items() if isinstance(report, Mapping) else ():
-            if key.endswith(_SUFFIXES) and isinstance(value, torch.Tensor) and value.numel() == 1:
+            if key.endswith(("_sum", "_count", "_max", "_min")) and (
+                isinstance(value, torch.Tensor) and value.numel() == 1
+            ):
                 stats.setdefault(key, []).append(value.detach().reshape(()).double())
     return stats
 
@@ -712,10 +674,10 @@ def reduce_step_metrics(state: StepState | None) -> dict[str, float]:
     if state is None:
         raise ValueError("no step has run yet: call the schedule before asking for its metrics")
     if state.groups is None:  # ``off`` resolved nothing during the step
-        state.groups = resolve_groups(state.pg_collection)
+        state.groups = megatron_compat.resolve_groups(state.pg_collection)
     groups = state.groups
     metrics = _local_metrics(state) if groups.is_last_stage else None
-    if groups.pp is not None and dist.get_world_size(groups.pp) > 1:
+    if reduction.group_size(groups.pp) > 1:
         box = [metrics]
         last = dist.get_global_rank(groups.pp, dist.get_world_size(groups.pp) - 1)
         dist.broadcast_object_list(box, src=last, group=groups.pp)
@@ -727,23 +689,32 @@ def _local_metrics(state: StepState) -> dict[str, float]:
     """The loss stage's metrics: one SUM all-reduce over DP x CP, one MAX for the extremes."""
     groups, stats = state.groups, scalar_stats(state.reports)
     sums = sorted(k for k in stats if k.endswith(("_sum", "_count")))
+    extremes = sorted(k for k in stats if k.endswith(("_max", "_min")))
     if state.masks:
         device = state.masks[0].device
     else:  # ``off``: the reports' device
         device = next((v[0].device for v in stats.values()), torch.device("cpu"))
-    zero = torch.zeros((), dtype=torch.float64, device=device)
 
     def total(values: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(values).double().sum().to(device) if values else zero
+        if not values:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(values).double().sum().to(device)
 
     mtp = state.mtp.contributions if state.mtp is not None else []
     sum_vec = torch.stack(
         [total(state.contributions), *(total(stats[k]) for k in sums), *map(total, mtp)]
     )
+    # The maxima of x and of -x: one MAX all-reduce gives the minima too.
+    sign = {k: 1.0 if k.endswith("_max") else -1.0 for k in extremes}
+    maxima = [(torch.stack(stats[k]) * sign[k]).max() for k in extremes]
+    max_vec = torch.stack(maxima) if maxima else None
     if dist.is_initialized() and groups.dp_cp is not None:
         dist.all_reduce(sum_vec, group=groups.dp_cp)
+        if max_vec is not None:
+            dist.all_reduce(max_vec, op=dist.ReduceOp.MAX, group=groups.dp_cp)
     out: dict[str, Any] = {k: sum_vec[1 + i] for i, k in enumerate(sums)}
     out.update({f"mtp_loss_{j + 1}": sum_vec[1 + len(sums) + j] for j in range(len(mtp))})
+    out.update({k: max_vec[i] * sign[k] for i, k in enumerate(extremes)})
     if state.counts is not None:  # a plugin mode
         out["num_tokens"] = state.counts.num_tokens
         out["num_sequences"] = state.counts.num_sequences
@@ -751,15 +722,4 @@ def _local_metrics(state: StepState) -> dict[str, float]:
         if state.passthrough and state.per_token:
             # Megatron's per-token mode divides the summed loss by the global token count.
             out["loss"] = sum_vec[0] / state.counts.num_tokens.clamp(min=1)
-    maxes = sorted(k for k in stats if k.endswith("_max"))
-    mins = sorted(k for k in stats if k.endswith("_min"))
-    if maxes or mins:
-        max_vec = torch.stack(
-            [torch.stack(stats[k]).max() for k in maxes]
-            + [-torch.stack(stats[k]).min() for k in mins]
-        )
-        if dist.is_initialized() and groups.dp_cp is not None:
-            dist.all_reduce(max_vec, op=dist.ReduceOp.MAX, group=groups.dp_cp)
-        out.update({k: max_vec[i] for i, k in enumerate(maxes)})
-        out.update({k: -max_vec[len(maxes) + i] for i, k in enumerate(mins)})
     return {k: float(v) for k, v in out.items()}

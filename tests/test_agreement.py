@@ -25,7 +25,7 @@ from megatron_lossfix.schedule import (
     SLOT_RANK_SUM,
     VECTOR_LEN,
     ProblemOnAnotherRank,
-    _refuse_shared_settings,
+    _model_settings,
     agreement_vector,
     fingerprint,
     local_problem,
@@ -98,7 +98,10 @@ def test_disagreeing_settings_are_refused_on_every_rank():
 
 
 def test_cp_sharded_data_with_mtp_is_refused_before_any_collective():
-    _refuse_shared_settings(LossFixConfig(), None, 2)  # whole sequences: fine
-    _refuse_shared_settings(LossFixConfig(data_is_cp_sharded=True), None, 0)  # no MTP: fine
+    def model(mtp_layers):
+        return SimpleNamespace(config=SimpleNamespace(mtp_num_layers=mtp_layers))
+
+    _model_settings(LossFixConfig(), model(2))  # whole sequences: fine
+    _model_settings(LossFixConfig(data_is_cp_sharded=True), model(0))  # no MTP: fine
     with pytest.raises(StepRefused, match="mtp_num_layers=2.*whole sequences"):
-        _refuse_shared_settings(LossFixConfig(data_is_cp_sharded=True), None, 2)
+        _model_settings(LossFixConfig(data_is_cp_sharded=True), model(2))
