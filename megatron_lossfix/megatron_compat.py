@@ -32,19 +32,6 @@ from packaging.version import Version
 
 from megatron_lossfix.reduction import group_size
 
-__all__ = [
-    "TESTED_RANGE",
-    "StepGroups",
-    "megatron_core_version",
-    "resolve_groups",
-    "schedule_for",
-    "slice_batch_for_cp",
-    "undo_averaging",
-    "undo_mtp_averaging",
-    "unreduced_gradients",
-    "warn_if_untested",
-]
-
 #: The megatron-core releases the suite proves, as ``(lowest, first untested)``.
 TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.20.0"))
 

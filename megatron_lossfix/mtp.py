@@ -24,8 +24,6 @@ import torch
 from megatron_lossfix.megatron_compat import StepGroups, slice_batch_for_cp
 from megatron_lossfix.reduction import LossFixConfig, StepCounts, weights_from_counts
 
-__all__ = ["MTPStep", "active", "install_hooks", "mtp_step"]
-
 
 @dataclass(slots=True)
 class MTPStep:

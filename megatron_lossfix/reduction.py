@@ -17,20 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "MODES",
-    "REDUCTIONS",
-    "LossFixConfig",
-    "StepCounts",
-    "count_tokens",
-    "float_masks",
-    "group_size",
-    "loss_weights",
-    "segment_ids",
-    "shifted_masks",
-    "weights_from_counts",
-]
-
 #: The plugin's modes (docs/design.md §2).
 REDUCTIONS: tuple[str, ...] = (
     "token_mean",
@@ -44,7 +30,7 @@ MODES: tuple[str, ...] = (*REDUCTIONS, "off")
 _COUNT_DTYPE = torch.float64
 
 
-def _check_mode(reduction: object, norm_constant: object, modes: tuple[str, ...]) -> None:
+def check_mode(reduction: object, norm_constant: object, modes: tuple[str, ...]) -> None:
     """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant."""
     if not isinstance(reduction, str) or reduction not in modes:
         raise ValueError(
@@ -115,7 +101,7 @@ class LossFixConfig:
 
     def __post_init__(self) -> None:
         # The one validation: the flags (``args.from_args``) come through here too.
-        _check_mode(self.reduction, self.norm_constant, MODES)
+        check_mode(self.reduction, self.norm_constant, MODES)
         switches = {
             "validate": "--lossfix-no-validate",
             "check_finite": "--lossfix-check-finite",
@@ -303,29 +289,3 @@ def shifted_masks(masks: Sequence[torch.Tensor], shift: int) -> list[torch.Tenso
             shifted[..., :keep] = mask[..., shift:]
         out.append(shifted)
     return out
-
-
-def loss_weights(
-    loss_masks: Sequence[torch.Tensor],
-    reduction: str,
-    *,
-    norm_constant: float | None = None,
-    dp_group: dist.ProcessGroup | None = None,
-    cp_group: dist.ProcessGroup | None = None,
-) -> list[torch.Tensor]:
-    """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
-    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`).
-
-    ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
-    ``cp_group``; ``dp_group``: data-parallel group without CP. Returns float32 tensors of the
-    masks' shapes; with both groups None nothing is communicated. Raises ``ValueError`` for an
-    unknown mode, a missing or bad ``norm_constant``, or a malformed mask.
-    """
-    _check_mode(reduction, norm_constant, REDUCTIONS)
-    masks = float_masks(loss_masks)
-    bad = bad_mask_values(masks)
-    if bool(bad.any()):
-        raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
-    global_counts = reduction in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-    counts = count_tokens(masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group)
-    return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)
