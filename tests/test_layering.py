@@ -45,7 +45,7 @@ ENTRY_POINTS = (f"{PACKAGE}.__main__", f"{PACKAGE}.patches")
 
 #: Runtime modules that stay plain PyTorch (the weights and losses): no Megatron import, lazy or
 #: not. Names not present are ignored; at least one must be.
-PURE = ("config", "reduction", "weights", "losses", "resplit")
+PURE = ("config", "reduction", "weights", "losses")
 
 
 def _module_name(path: Path) -> str:
