@@ -1,5 +1,4 @@
-"""The self-check (``LossFixConfig.self_check``): the first training step's gradient must not
-change when the same data is split differently (docs/design.md, section 9)."""
+"""The self-check: the first step's gradient must not move when re-split (docs/design.md, §9)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.dropout import _DropoutNd
 
 from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
@@ -53,18 +53,14 @@ class SelfCheck:
             return step(**call)
         # 1. The normal step, keeping what forward_step reads from each data iterator.
         as_list = isinstance(given, list)
-        reads = [None if it is None else [] for it in (given if as_list else [given])]
-        its = [
-            it if it is None else _recorded(it, r)
-            for it, r in zip(given if as_list else [given], reads, strict=True)
-        ]
+        sources = given if as_list else [given]
+        reads = [None if it is None else [] for it in sources]
+        its = [it if it is None else _recorded(it, r) for it, r in zip(sources, reads, strict=True)]
         result = step(**{**call, "data_iterator": its if as_list else its[0]})
         record = schedule.last_step
         buffers = [b.detach().clone() for b in _buffers(chunks)]
         _unshard(chunks)
-        params = list(
-            {id(p): p for c in chunks for p in c.parameters() if p.requires_grad}.values()
-        )
+        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
         grads = _snapshot(params)
         groups = resolve_groups(call.get("pg_collection"))
         device = params[0].device if params else torch.device("cpu")
@@ -75,10 +71,9 @@ class SelfCheck:
         tp_reads = _max([float(any(reads)), float(not any(reads))], device, groups.tp)
         mixed = _max([float(tp_reads.min() > 0)], device, groups.mp, groups.dp_cp)
         pp = group_size(groups.pp)
-        interleaved = None
-        if len(chunks) > 1:
-            interleaved = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
-        plan = resplit_plan(m, call.get("micro_batch_size"), pp, interleaved, bool(mixed[0] > 0))
+        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
+        group = group if len(chunks) > 1 else None  # interleaved: the count must fit the group
+        plan = resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
         # 3. The same data re-split; every rank learns whether any rank cannot.
         items, problem = [], None
         for c, got in enumerate(reads):
@@ -87,7 +82,7 @@ class SelfCheck:
                     raise ValueError(f"forward_step read {len(got)} micro-batches, not {m}")
                 key = schedule.config.loss_mask_key
                 items.append(resplit(got, plan, mask_key=key) if got and plan else got)
-            except ValueError as exc:
+            except (ValueError, RuntimeError) as exc:  # RuntimeError: torch.cat of odd shapes
                 problem = f"cannot re-split data iterator {c}: {exc}"
                 break
         # The replicas' verdict rides in this all-reduce: every rank of the model hears it.
@@ -111,10 +106,8 @@ class SelfCheck:
             )
         if failed:
             problem = problem or "another rank could not re-split its micro-batches"
-            raise ValueError(
-                f"megatron_lossfix self-check: {problem}; this data cannot be checked: drop "
-                "--lossfix-self-check"
-            )
+            drop = "this data cannot be checked: drop --lossfix-self-check"
+            raise ValueError(f"megatron_lossfix self-check: {problem}; {drop}")
         if not changed:
             why = "no rank can re-split its step (one micro-batch of one row)"
             warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=3)
@@ -122,11 +115,9 @@ class SelfCheck:
         self.last_plan = plan
 
         def rerun(data: list, plan: tuple | None) -> None:
-            for chunk in chunks:
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()  # also resets DDP's per-step bucket state
-                else:
-                    chunk.zero_grad(set_to_none=False)
+            for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
+                zero = getattr(chunk, "zero_grad_buffer", None)
+                zero() if zero else chunk.zero_grad(set_to_none=False)
             its = [None if d is None else iter(d) for d in data]
             kwargs = {**call, "data_iterator": its if as_list else its[0]}
             if plan is not None:
@@ -144,7 +135,9 @@ class SelfCheck:
         states = tracker.get_states()  # a copy; the tracker replaces (never mutates) its tensors
         cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
         training = [c.training for c in chunks]
-        dropout = any(training) and _has_dropout(model_config, chunks)
+        rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
+        rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
+        dropout = any(training) and any((rate or 0) > 0 for rate in rates)
         try:
             with torch.random.fork_rng(cuda, device_type="cuda"):
                 if dropout:
@@ -157,9 +150,8 @@ class SelfCheck:
         finally:
             # 5. Training goes on from the normal run: its gradient, buffers, RNG, step record.
             tracker.set_states(dict(states))
-            for chunk, mode in zip(chunks, training, strict=True):
-                if dropout:
-                    chunk.train(mode)
+            for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
+                chunk.train(mode)
             with torch.no_grad():
                 for param, grad in zip(params, grads, strict=True):
                     if grad is not None and _grad(param) is not None:
@@ -209,7 +201,7 @@ def _how(m: int, plan: tuple | None) -> str:
 
 def _recorded(source: Iterator, items: list) -> Iterator:
     """``source``'s items, each also appended to ``items`` (dicts copied: forward_step may pop)."""
-    for item in source:
+    for item in iter(lambda: next(source), object()):  # RerunDataIterator has no __iter__
         items.append(dict(item) if isinstance(item, Mapping) else item)
         yield item
 
@@ -221,14 +213,11 @@ def _why_not_checkable(reduction: str | None, config: Any) -> str | None:
             f"reduction {reduction!r} depends on the micro-batch split by definition "
             "(Megatron's mean of per-micro-batch means)"
         )
-    features = []
-    if getattr(config, "num_moe_experts", None):
-        if (getattr(config, "moe_aux_loss_coeff", 0) or 0) > 0:
-            features.append("MoE load-balancing loss")
-        if (getattr(config, "moe_z_loss_coeff", None) or 0) > 0:
-            features.append("MoE z-loss")
-        if getattr(config, "moe_expert_capacity_factor", None) is not None:
-            features.append("MoE expert capacity (token dropping)")
+    moe = getattr(config, "num_moe_experts", None)
+    aux, z = ((getattr(config, f"moe_{k}_loss_coeff", 0) or 0) > 0 for k in ("aux", "z"))
+    capacity = getattr(config, "moe_expert_capacity_factor", None) is not None
+    names = ("MoE load-balancing loss", "MoE z-loss", "MoE expert capacity (token dropping)")
+    features = [name for name, on in zip(names, (aux, z, capacity), strict=True) if moe and on]
     if features:
         return (
             f"the model uses {', '.join(features)}, whose gradient depends on the batch "
@@ -236,13 +225,6 @@ def _why_not_checkable(reduction: str | None, config: Any) -> str | None:
             "micro-batch)"
         )
     return None
-
-
-def _has_dropout(config: Any, chunks: list) -> bool:
-    rates = [getattr(config, "hidden_dropout", 0), getattr(config, "attention_dropout", 0)]
-    dropout = torch.nn.modules.dropout._DropoutNd
-    rates += [m.p for c in chunks for m in c.modules() if isinstance(m, dropout)]
-    return any((rate or 0) > 0 for rate in rates)
 
 
 def _buffers(chunks: list) -> list[torch.Tensor]:
@@ -260,17 +242,14 @@ def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
 
 
 def _unshard(chunks: list) -> None:
-    """Gather the distributed optimizer's reduce-scattered shards back into full ``main_grad``s
-    (the optimizer reads only this rank's shard, which this leaves as it is)."""
+    """Gather the distributed optimizer's shards into full ``main_grad``s (its own unchanged)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     for chunk in chunks:
         if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
             continue
-        for bucket_group in [
-            *getattr(chunk, "bucket_groups", []),
-            *getattr(chunk, "expert_parallel_bucket_groups", []),
-        ]:
+        kinds = ("bucket_groups", "expert_parallel_bucket_groups")
+        for bucket_group in (g for kind in kinds for g in getattr(chunk, kind, [])):
             group = bucket_group.intra_distributed_optimizer_instance_group
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             for bucket in bucket_group.buckets:
@@ -288,8 +267,7 @@ def _max(values: Any, device: torch.device, *groups: Any) -> torch.Tensor:
 
 
 def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) -> tuple:
-    """The relative spread of the dense gradients over the DP x CP replicas and the index of the
-    parameter where it is largest (-1: none); one all-reduce of checksums (docs/design.md)."""
+    """Relative spread of dense gradients over DP x CP, and the index of the worst (-1: none)."""
     pairs = enumerate(zip(params, grads, strict=True))
     dense = [i for i, (p, g) in pairs if g is not None and getattr(p, "allreduce", True)]
     if group_size(groups.dp_cp) <= 1 or not dense:
@@ -299,29 +277,23 @@ def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) 
     both = _max(torch.cat([sums, -sums], dim=1), device, groups.dp_cp)  # the max gives the min too
     numel = torch.tensor([grads[i].numel() for i in dense], dtype=torch.float64, device=device)
     square = both[:, 1].clamp(min=1e-300)
-    spread = torch.maximum(
-        (both[:, 0] + both[:, 2]) / (numel.sqrt() * square.sqrt()),
-        (both[:, 1] + both[:, 3]) / square,
-    )
+    sum_spread = (both[:, 0] + both[:, 2]) / (numel.sqrt() * square.sqrt())
+    spread = torch.maximum(sum_spread, (both[:, 1] + both[:, 3]) / square)
     worst = int(spread.argmax())
     return float(spread[worst]), dense[worst]
 
 
 def _relative_error(params: list, reference: list, groups: StepGroups, device: Any) -> float:
-    """Relative L2 distance of the gradient from ``reference``, each element counted once (TP
-    copies on TP rank 0, tied copies not) as Megatron's grad norm, over the whole model."""
+    """Relative L2 distance from ``reference``, each element once (as Megatron's grad norm)."""
     sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # dense, expert
+    tp_rank = 0 if groups.tp is None else dist.get_rank(groups.tp)  # TP copies: rank 0's count
     for param, ref in zip(params, reference, strict=True):
         grad = _grad(param)
-        if ref is None or grad is None or getattr(param, "shared", False):
+        tp_copy = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+        if ref is None or grad is None or getattr(param, "shared", False) or tp_copy:
             continue
-        tp_copy = not getattr(param, "tensor_model_parallel", False) and groups.tp is not None
-        if tp_copy and dist.get_rank(groups.tp) != 0:
-            continue
-        row = sums[0 if getattr(param, "allreduce", True) else 1]
-        row += torch.stack(
-            [(grad.double() - ref.double()).square().sum(), ref.double().square().sum()]
-        )
+        d, r = (grad.double() - ref.double()).square().sum(), ref.double().square().sum()
+        sums[0 if getattr(param, "allreduce", True) else 1] += torch.stack([d, r])
     for row, group in zip(sums, (groups.mp, groups.expert_mp), strict=True):
         if group_size(group) > 1:
             dist.all_reduce(row, group=group)
@@ -332,13 +304,10 @@ def _relative_error(params: list, reference: list, groups: StepGroups, device: A
 def resplit_plan(
     m: int, mbs: int | None, pp: int = 1, group: int | None = None, keep_shapes: bool = False
 ) -> tuple | None:
-    """``(kind, factor, num_microbatches, micro_batch_size or None: the call's)`` for ``m``
-    micro-batches of ``mbs`` rows, with ``pp`` stages and, interleaved, Megatron's
-    ``microbatch_group_size_per_vp_stage`` ``group``; None when nothing can change."""
+    """``(kind, factor, new m, new mbs or None: the call's)``, or None: nothing can change."""
 
-    def fits(new_m: int) -> bool:
-        rest = new_m % (group or 1)
-        return group is None or (new_m >= group and (rest == 0 or rest >= pp))
+    def fits(new_m: int) -> bool:  # a count Megatron's interleaved schedule accepts
+        return group is None or (new_m >= group and not 0 < new_m % group < pp)
 
     shuffle = ("shuffle", 1, m, None) if m >= 2 and (mbs is None or mbs >= 2) else None
     if keep_shapes:  # forward_step broadcasts fixed-shape batches
@@ -353,8 +322,7 @@ def resplit_plan(
 
 
 def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss_mask") -> list:
-    """``plan`` applied to one iterator's dict micro-batches: per-row tensors cut, concatenated
-    or dealt (``shuffle``: row i of new j is row i of old (i + j) mod M), the rest kept."""
+    """``plan`` applied to one iterator's dict micro-batches (per-row tensors cut, rest kept)."""
     rows = []  # the loss mask's first dim, else the first tensor's
     for k, batch in enumerate(batches):
         if not isinstance(batch, Mapping):
@@ -367,21 +335,18 @@ def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss
             raise ValueError("a micro-batch holds no tensor to split")
         rows.append(len(tensors[0]))
     kind, factor, m = plan[0], plan[1], len(batches)
-    # Per new micro-batch: (old micro-batch, its rows) pairs.
+    # Per new micro-batch: (old micro-batch, its rows) pairs; shuffle: row i of new j is row i
+    # of old (i + j) mod m.
     if kind == "split":
         if min(rows) < 2:
             raise ValueError(f"a micro-batch of {min(rows)} row cannot be cut in two")
         pieces = [[(k, s)] for k, r in enumerate(rows) for s in (slice(r // 2), slice(r // 2, r))]
     elif kind == "merge":
-        pieces = [
-            [(k, slice(None)) for k in range(s, min(s + factor, m))] for s in range(0, m, factor)
-        ]
+        pieces = [[(k, slice(None)) for k in range(s, s + factor)] for s in range(0, m, factor)]
     else:
         if len(set(rows)) != 1 or rows[0] < 2 or m < 2:
             sizes = sorted(set(rows))
-            raise ValueError(
-                f"shuffling rows needs >= 2 micro-batches of one size >= 2, not {sizes}"
-            )
+            raise ValueError(f"shuffling needs >= 2 micro-batches of one size >= 2, not {sizes}")
         pieces = [[((i + j) % m, slice(i, i + 1)) for i in range(rows[0])] for j in range(m)]
     out = []
     for piece in pieces:
@@ -392,11 +357,6 @@ def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss
         for key, first in group[0].items():
             values = [b[key] for b in group]
             if all(_is_rows(v, rows[k]) for v, (k, _) in zip(values, piece, strict=True)):
-                if any(v.shape[1:] != first.shape[1:] for v in values):
-                    shapes = [tuple(v.shape) for v in values]
-                    raise ValueError(
-                        f"micro-batches to {kind} differ in shape under {key!r}: {shapes}"
-                    )
                 new[key] = torch.cat([v[s] for v, (_, s) in zip(values, piece, strict=True)])
             elif all(_same(first, v) for v in values[1:]):
                 new[key] = first
