@@ -115,8 +115,10 @@ class SelfCheck:
 
         def rerun(data: list, plan: tuple | None) -> None:
             for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
-                zero = getattr(chunk, "zero_grad_buffer", None)
-                zero() if zero else chunk.zero_grad(set_to_none=False)
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+                else:
+                    chunk.zero_grad(set_to_none=False)
             its = [None if d is None else iter(d) for d in data]
             kwargs = {**call, "data_iterator": its if as_list else its[0]}
             if plan is not None:
