@@ -15,7 +15,7 @@ from megatron_lossfix.audit.matrix import (
     parse_layout,
 )
 from megatron_lossfix.audit.oracle import OracleCase
-from megatron_lossfix.config import MODES
+from megatron_lossfix.reduction import MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",
