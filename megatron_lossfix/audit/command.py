@@ -180,8 +180,10 @@ def main(
     if pool is None:  # workers started later inherit the filters
         _quiet_known_warnings()
     progress = None if args.no_progress else sys.stderr
-    report = run_audit(opts, pool=pool, progress=progress, worker=worker)
     out = Path(args.out)
+    if args.stack:
+        return _run_stack(args, opts, pool, progress, out)
+    report = run_audit(opts, pool=pool, progress=progress, worker=worker)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(format_table(report))
@@ -196,4 +198,31 @@ def main(
             plot_report(report, out / "audit.png")
             written.append(out / "audit.png")
     print("wrote " + ", ".join(str(p) for p in written) + note)
+    return 0 if report.passed else 1
+
+
+def _run_stack(
+    args: argparse.Namespace, opts: AuditOptions, pool: Any, progress: Any, out: Path
+) -> int:
+    """``--stack NAME``: the framework's own loss path, as released and through the adapter.
+    Modes and layouts left at the plugin audit's defaults become the stack's own defaults."""
+    import importlib
+
+    from megatron_lossfix.audit.options import DEFAULT_LAYOUTS as plugin_layouts
+    from megatron_lossfix.audit.stacks import STACKS, stack_runner
+    from megatron_lossfix.config import MODES
+
+    module = importlib.import_module(STACKS[args.stack])
+    if opts.modes == MODES:
+        opts.modes = module.MODES
+    if tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts):
+        opts.layouts = tuple(parse_layout(n) for n in module.DEFAULT_LAYOUTS)
+    validate_options(opts)
+    report = stack_runner(args.stack)(
+        opts, pool=pool, progress=progress, policy_term=not args.no_policy_term
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(report.table())
+    print(f"wrote {out / 'audit.json'}")
     return 0 if report.passed else 1
