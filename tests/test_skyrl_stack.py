@@ -108,7 +108,7 @@ def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, policy_term):
 @needs_skyrl
 @pytest.mark.e2e
 def test_bypassing_the_adapter_fails_the_check(skyrl_pool):
-    from tests.helpers.skyrl_stack import bypassed_layout_grads
+    from helpers.skyrl_stack import bypassed_layout_grads
 
     errors = _errors(skyrl_pool, bypassed_layout_grads, "token_mean")
     assert errors["skyrl+lossfix"] > 100 * TOL, errors

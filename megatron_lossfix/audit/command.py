@@ -206,20 +206,17 @@ def _run_stack(
 ) -> int:
     """``--stack NAME``: the framework's own loss path, as released and through the adapter.
     Modes and layouts left at the plugin audit's defaults become the stack's own defaults."""
-    import importlib
-
     from megatron_lossfix.audit.options import DEFAULT_LAYOUTS as plugin_layouts
-    from megatron_lossfix.audit.stacks import STACKS, stack_runner
+    from megatron_lossfix.audit.stacks import STACKS
     from megatron_lossfix.config import MODES
 
-    module = importlib.import_module(STACKS[args.stack])
-    if opts.modes == MODES:
-        opts.modes = module.MODES
-    if tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts):
-        opts.layouts = tuple(parse_layout(n) for n in module.DEFAULT_LAYOUTS)
-    validate_options(opts)
-    report = stack_runner(args.stack)(
-        opts, pool=pool, progress=progress, policy_term=not args.no_policy_term
+    report = STACKS[args.stack](
+        opts,
+        pool=pool,
+        progress=progress,
+        policy_term=not args.no_policy_term,
+        own_modes=opts.modes == MODES,
+        own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -1,25 +1,23 @@
 """Framework stacks the audit can check instead of the plugin alone (``--stack NAME``).
 
-Each entry names a module with ``run_stack(opts, *, pool=None, progress=None) -> StackReport``;
-it is imported only when chosen, so the audit never needs a framework it does not audit.
+``STACKS`` maps a name to its runner, ``runner(opts, *, pool, progress, policy_term, own_modes,
+own_layouts) -> report`` (a report with ``to_json()``, ``table()`` and ``passed``). A runner
+imports its framework only when called, so the audit never needs a framework it does not audit.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["STACKS", "stack_runner"]
-
-#: ``--stack`` name -> module holding its ``run_stack``.
-STACKS: dict[str, str] = {
-    "skyrl": "megatron_lossfix.audit.stacks.skyrl",
-}
+__all__ = ["STACKS"]
 
 
-def stack_runner(name: str) -> Callable[..., Any]:
-    """The ``run_stack`` of stack ``name`` (imports its module)."""
-    if name not in STACKS:
-        raise ValueError(f"unknown stack {name!r}; choose from {', '.join(STACKS)}")
-    return importlib.import_module(STACKS[name]).run_stack
+def _skyrl(*args: Any, **kwargs: Any) -> Any:
+    from megatron_lossfix.audit.stacks import skyrl
+
+    return skyrl.run_stack(*args, **kwargs)
+
+
+#: ``--stack`` name -> runner.
+STACKS: dict[str, Callable[..., Any]] = {"skyrl": _skyrl}

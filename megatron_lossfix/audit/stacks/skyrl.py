@@ -239,7 +239,7 @@ def skyrl_reference(
     case: OracleCase, mode: str, plan: Sequence[Sequence[int]], policy_term: bool = True
 ) -> dict[str, torch.Tensor]:
     """One rank, one micro-batch: the gradient of the exact objective (module docstring)."""
-    from megatron_lossfix.audit.oracle import _reference_weights, _set_moe_aux_scale
+    from megatron_lossfix.audit.oracle import reference_weights, set_moe_aux_scale
     from megatron_lossfix.audit.tiny_gpt import (
         Layout,
         build_tiny_gpt,
@@ -273,9 +273,9 @@ def skyrl_reference(
     pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
     d = batch["base_action_log_probs"] - token_lp
     kl = torch.exp(d) - d - 1
-    w = _reference_weights(case, mode, plan)(batch["loss_mask"])
+    w = reference_weights(case, mode, plan)(batch["loss_mask"])
     loss = (w * pg).sum() + KL_COEF * (w * kl).sum() - ENTROPY_COEF * (w * entropy).sum()
-    _set_moe_aux_scale(config, device)
+    set_moe_aux_scale(config, device)
     loss.backward()
     model.finish_grad_sync()
     return gather_full_grads(chunks)
@@ -350,10 +350,21 @@ def run_stack(
     pool: Any = None,
     progress: IO[str] | None = sys.stderr,
     policy_term: bool = True,
+    own_modes: bool = False,
+    own_layouts: bool = False,
 ) -> StackReport:
-    """The SkyRL stack audit over ``opts.layouts`` and ``opts.modes`` (SkyRL's modes only)."""
-    from megatron_lossfix.audit.options import options_json
+    """The SkyRL stack audit over ``opts.layouts`` and ``opts.modes`` (SkyRL's modes only);
+    ``own_modes`` / ``own_layouts``: use this stack's defaults instead."""
     from megatron_lossfix.audit.pool import DistPool
+
+    if own_modes or own_layouts:
+        opts = dataclasses.replace(
+            opts,
+            modes=MODES if own_modes else opts.modes,
+            layouts=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS)
+            if own_layouts
+            else opts.layouts,
+        )
 
     bad = [m for m in opts.modes if m not in MODES]
     if bad:
@@ -361,7 +372,12 @@ def run_stack(
     started = time.perf_counter()
     report = StackReport(
         stack="skyrl",
-        options={**options_json(opts), "policy_term": policy_term},
+        options={
+            **dataclasses.asdict(opts),
+            "modes": list(opts.modes),
+            "layouts": [lay.name for lay in opts.layouts],
+            "policy_term": policy_term,
+        },
         modes=list(opts.modes),
         layouts=[lay.name for lay in opts.layouts],
         tolerance=opts.tolerance,
