@@ -14,12 +14,16 @@ built from SkyRL's own pieces: its log-prob and entropy kernels, its registered 
 with the raw advantages and ``loss_mask=w``, so its masked sum is ``sum(w * pg)``) and its
 ``compute_approx_kl``.
 
-What a SkyRL user changes (two places):
+What a SkyRL user changes (two places; SkyRL 0.3.0 has no configuration key that picks the
+model-wrapper class: ``MegatronPolicyWorkerBase.init_model`` builds ``MegatronModelWrapper``):
 
-1. the policy worker builds ``LossFixModelWrapper`` instead of ``MegatronModelWrapper`` (same
-   arguments; ``lossfix=`` picks the mode, by default ``algorithm.loss_reduction``);
-2. the trainer stops pre-scaling the advantages: the plugin's weights carry the normalization
-   (:func:`raw_advantages` is what ``normalize_advantages`` should hand the workers).
+1. the policy worker's ``init_model`` ends with
+   ``self.model = LossFixModelWrapper.from_wrapper(self.model)`` (``lossfix=`` picks the mode; by
+   default ``algorithm.loss_reduction``, with ``algorithm.max_seq_len`` as the constant of
+   ``seq_mean_token_sum_norm``);
+2. the trainer stops pre-scaling the advantages (``RayPPOTrainer._normalize_advantages`` without
+   its ``apply_loss_reduction_to_advantages_minibatch`` step): the plugin's weights carry the
+   normalization, and :func:`raw_advantages` is what the workers should get.
 
 Not covered: SkyRL's SFT path (``loss_fn="cross_entropy"``), the fused LM-head path and MTP
 draft training run SkyRL's own code unchanged.
@@ -222,6 +226,22 @@ def _make_class() -> type:
             if isinstance(lossfix, str):
                 lossfix = LossFixConfig(reduction=lossfix)
             self.lossfix_config = lossfix
+
+        @classmethod
+        def from_wrapper(
+            cls, wrapper: Any, lossfix: LossFixConfig | str | None = None
+        ) -> LossFixModelWrapper:
+            """The same model, optimizer and policy loss as SkyRL's ``wrapper``, with the
+            plugin's step: ``self.model = LossFixModelWrapper.from_wrapper(self.model)`` after
+            the policy worker's ``init_model``."""
+            return cls(
+                wrapper.cfg,
+                wrapper.actor_module,
+                wrapper.actor_optimizer,
+                wrapper.policy_loss_fn,
+                is_vlm=wrapper.is_vlm,
+                lossfix=lossfix,
+            )
 
         def forward_backward_mini_batch(
             self,

@@ -178,8 +178,13 @@ def _run_row(row: str, mode: str, case: OracleCase, chunks: list, batch: dict, p
     cfg = _trainer_config(mode, case, ps.get_context_parallel_world_size())
     dp_rank = ps.get_data_parallel_rank()
     sizes = plan[dp_rank]
+    wrapper = MegatronModelWrapper(
+        config=cfg,
+        actor_module=chunks,
+        policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type),
+    )
     if row == "skyrl":
-        # The driver's pre-scaling over the whole mini-batch (trainer.normalize_advantages).
+        # The driver's pre-scaling over the whole mini-batch (trainer._normalize_advantages).
         advantages = apply_loss_reduction_to_advantages_minibatch(
             advantages=batch["advantages"],
             loss_mask=batch["loss_mask"],
@@ -187,16 +192,10 @@ def _run_row(row: str, mode: str, case: OracleCase, chunks: list, batch: dict, p
             micro_batch_size=sizes[0],
             max_seq_len=cfg.algorithm.max_seq_len,
         )
-        wrapper_cls, extra = MegatronModelWrapper, {}
     else:
+        # The two changes a SkyRL user makes (integrations/skyrl.py).
         advantages = adapter.raw_advantages(batch["advantages"], batch["loss_mask"])
-        wrapper_cls, extra = adapter.LossFixModelWrapper, {}
-    wrapper = wrapper_cls(
-        config=cfg,
-        actor_module=chunks,
-        policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type),
-        **extra,
-    )
+        wrapper = adapter.LossFixModelWrapper.from_wrapper(wrapper)
     mbs = _micro_batches(batch, advantages, sizes, sum(sum(p) for p in plan[:dp_rank]))
     wrapper.forward_backward_mini_batch(
         mbs, seq_len=batch["sequences"].shape[1], micro_batch_size=sizes[0]
