@@ -214,7 +214,7 @@ def _run_stack(
         opts,
         pool=pool,
         progress=progress,
-        policy_term=not args.no_policy_term,
+        terms=args.terms,
         own_modes=opts.modes == MODES,
         own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
     )

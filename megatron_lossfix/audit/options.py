@@ -176,9 +176,12 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "be installed (pip install -e .[<stack>]). Default modes and layouts are the stack's own",
     )
     parser.add_argument(
-        "--no-policy-term",
-        action="store_true",
-        help="with --stack: zero advantages, so that only the KL and entropy terms are audited",
+        "--terms",
+        choices=("all", "kl_entropy", "sft"),
+        default="all",
+        help="with --stack: which loss terms to audit: all (policy, KL, entropy; default), "
+        "kl_entropy (zero advantages: KL and entropy alone) or sft (the framework's SFT "
+        "cross-entropy path, token_mean)",
     )
     parser.add_argument(
         "--out",

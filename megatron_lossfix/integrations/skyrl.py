@@ -25,8 +25,9 @@ model-wrapper class: ``MegatronPolicyWorkerBase.init_model`` builds ``MegatronMo
    its ``apply_loss_reduction_to_advantages_minibatch`` step): the plugin's weights carry the
    normalization, and :func:`raw_advantages` is what the workers should get.
 
-Not covered: SkyRL's SFT path (``loss_fn="cross_entropy"``), the fused LM-head path and MTP
-draft training run SkyRL's own code unchanged.
+SkyRL's SFT path (``loss_fn="cross_entropy"``) goes through the adapter too, as ``sum(w * nll)``
+over the raw (unscaled) loss mask. Forward-only passes, temperature other than 1, the fused
+LM-head path and MTP draft training run SkyRL's own code unchanged.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ def _weighted_entropy(logits: torch.Tensor, data: dict, weights: torch.Tensor) -
     return (entropy * weights).sum()
 
 
-def _exact_loss(wrapper: Any, policy_loss_fn: Any, loss_config: Any, data: dict, logits: Any):
+def _exact_loss(
+    wrapper: Any, policy_loss_fn: Any, loss_config: Any, sft: bool, data: dict, logits: Any
+) -> tuple:
     """Every term as a plain weighted sum with the plugin's weights (Tinker semantics)."""
     from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 
@@ -169,7 +172,7 @@ def _exact_loss(wrapper: Any, policy_loss_fn: Any, loss_config: Any, data: dict,
     )
     loss = policy_loss
     report: dict[str, torch.Tensor] = {"policy_loss_sum": policy_loss.detach()}
-    if loss_config.use_kl_loss:
+    if loss_config.use_kl_loss and not sft:
         kl = compute_approx_kl(
             action_log_probs,
             data["base_action_log_probs"],
@@ -178,7 +181,7 @@ def _exact_loss(wrapper: Any, policy_loss_fn: Any, loss_config: Any, data: dict,
         ).sum()
         loss = loss + loss_config.kl_loss_coef * kl
         report["policy_kl_sum"] = kl.detach()
-    if loss_config.use_entropy_loss:
+    if loss_config.use_entropy_loss and not sft:
         entropy = _weighted_entropy(logits, data, weights)
         loss = loss - loss_config.entropy_loss_coef * entropy
         report["policy_entropy_sum"] = entropy.detach()
@@ -187,13 +190,18 @@ def _exact_loss(wrapper: Any, policy_loss_fn: Any, loss_config: Any, data: dict,
 
 
 def _exact_forward_step(
-    wrapper: Any, skyrl_step: Any, policy_loss_fn: Any, loss_config: Any, it: Any, model: Any
-):
+    wrapper: Any,
+    skyrl_step: Any,
+    policy_loss_fn: Any,
+    loss_config: Any,
+    sft: bool,
+    it: Any,
+    model: Any,
+) -> tuple:
     """SkyRL's forward_step (its batch preparation and model call) with the exact loss."""
     output, skyrl_loss = skyrl_step(it, model)
-    return output, partial(
-        _exact_loss, wrapper, policy_loss_fn, loss_config, skyrl_loss.keywords["data"]
-    )
+    data = skyrl_loss.keywords["data"]
+    return output, partial(_exact_loss, wrapper, policy_loss_fn, loss_config, sft, data)
 
 
 class _LossFixWrapperMixin:
@@ -202,8 +210,7 @@ class _LossFixWrapperMixin:
     lossfix_config: LossFixConfig
 
     def _lossfix_forward_backward(self, *, forward_step_func: Any, **kwargs: Any) -> Any:
-        policy_loss_fn, loss_config = self._lossfix_loss
-        step = partial(_exact_forward_step, self, forward_step_func, policy_loss_fn, loss_config)
+        step = partial(_exact_forward_step, self, forward_step_func, *self._lossfix_loss)
         return LossFixSchedule(self.lossfix_config)(forward_step_func=step, **kwargs)
 
 
@@ -258,7 +265,6 @@ def _make_class() -> type:
 
             unsupported = (
                 forward_only
-                or loss_fn == "cross_entropy"
                 or temperature != 1.0
                 or self._fused_lm_head
                 or self.lossfix_config.reduction == "off"
@@ -281,7 +287,9 @@ def _make_class() -> type:
             policy_loss_fn = (
                 PolicyLossRegistry.get(loss_fn) if loss_fn is not None else self.policy_loss_fn
             )
-            self._lossfix_loss = (policy_loss_fn, self.cfg.algorithm)
+            # SFT (cross entropy) has no KL or entropy term.
+            sft = loss_fn == "cross_entropy"
+            self._lossfix_loss = (policy_loss_fn, self.cfg.algorithm, sft)
             # SkyRL looks the schedule up by this module-level name when the step starts; it is
             # swapped for the call only, so forward-only passes and other wrappers keep Megatron's.
             original = mw.get_forward_backward_func
@@ -293,6 +301,7 @@ def _make_class() -> type:
             finally:
                 mw.get_forward_backward_func = original
 
+    LossFixModelWrapper.__qualname__ = "LossFixModelWrapper"
     return LossFixModelWrapper
 
 

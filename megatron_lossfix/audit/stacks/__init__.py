@@ -1,6 +1,6 @@
 """Framework stacks the audit can check instead of the plugin alone (``--stack NAME``).
 
-``STACKS`` maps a name to its runner, ``runner(opts, *, pool, progress, policy_term, own_modes,
+``STACKS`` maps a name to its runner, ``runner(opts, *, pool, progress, terms, own_modes,
 own_layouts) -> report`` (a report with ``to_json()``, ``table()`` and ``passed``). A runner
 imports its framework only when called, so the audit never needs a framework it does not audit.
 """

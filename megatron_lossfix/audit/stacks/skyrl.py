@@ -14,8 +14,10 @@ coefficients above zero). Two rows per mode:
 
 Both are compared with one one-rank, one-micro-batch reference of the exact objective
 ``sum(w * (pg + kl_coef * kl - entropy_coef * entropy))`` with the plugin's weights ``w`` of the
-mode (docs/design.md §2: regularizers use the same weights). With ``policy_term=False`` the
-advantages are zero, so only the KL and entropy terms are audited.
+mode (docs/design.md §2: regularizers use the same weights). ``terms`` picks what is audited
+(:data:`TERMS`): ``all``; ``kl_entropy`` (zero advantages: the KL and entropy terms alone); or
+``sft``, SkyRL's SFT path (``loss_fn="cross_entropy"``, its loss mask divided by the mini-batch's
+loss-token count as its ``DefaultCollator`` does) against ``sum(w * nll)``, ``token_mean`` only.
 
 The harness (data, layouts, reference) is ours; SkyRL's code runs unchanged from its package.
 """
@@ -53,6 +55,8 @@ MODES: tuple[str, ...] = (
     "seq_mean_token_sum_norm",
 )
 ROWS: tuple[str, ...] = ("skyrl", "skyrl+lossfix")
+#: What a run audits (module docstring).
+TERMS: tuple[str, ...] = ("all", "kl_entropy", "sft")
 #: SkyRL's gradient under a layout against its own one-rank, one-micro-batch gradient: its
 #: layout dependence alone, apart from how its objective differs from the exact one.
 SELF_ROW = "skyrl-vs-1rank"
@@ -83,7 +87,7 @@ def stack_case(opts: Any, layout: MatrixLayout) -> OracleCase:
 # ------------------------------------------------------------------------------ data
 
 
-def skyrl_batch(case: OracleCase, vocab_size: int, policy_term: bool = True) -> dict[str, Any]:
+def skyrl_batch(case: OracleCase, vocab_size: int, terms: str = "all") -> dict[str, Any]:
     """The mini-batch in SkyRL's layout: a prompt of ``seq_length // 4`` tokens, then a response
     of variable length (some empty) padded on the right; ``loss_mask`` and the log-probs cover
     the last ``num_actions`` positions."""
@@ -106,7 +110,7 @@ def skyrl_batch(case: OracleCase, vocab_size: int, policy_term: bool = True) -> 
     old = base + 0.3 * torch.randn(b, num_actions, generator=gen)
     ref = base + 0.3 * torch.randn(b, num_actions, generator=gen)
     adv = torch.randn(b, 1, generator=gen).expand(b, num_actions).clone()
-    if not policy_term:
+    if terms == "kl_entropy":
         adv.zero_()
     return {
         "sequences": sequences,
@@ -137,7 +141,11 @@ def _trainer_config(mode: str, case: OracleCase, cp: int) -> Any:
 
 
 def _micro_batches(
-    batch: dict[str, Any], advantages: torch.Tensor, sizes: Sequence[int], start: int
+    batch: dict[str, Any],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sizes: Sequence[int],
+    start: int,
 ) -> list[dict[str, Any]]:
     """This DP rank's micro-batches, as SkyRL's worker builds them (``forward_backward``)."""
     out, at = [], start
@@ -145,10 +153,11 @@ def _micro_batches(
         part = {
             k: (v[at : at + size] if torch.is_tensor(v) else v)
             for k, v in batch.items()
-            if k != "advantages"
+            if k not in ("advantages", "loss_mask")
         }
         part.update(
             advantages=advantages[at : at + size],
+            loss_mask=loss_mask[at : at + size],
             rollout_action_logprobs=None,
             action_mask=None,
             num_microbatches=len(sizes),
@@ -162,7 +171,9 @@ def _micro_batches(
 # ------------------------------------------------------------------------------ per rank
 
 
-def _run_row(row: str, mode: str, case: OracleCase, chunks: list, batch: dict, plan: list) -> None:
+def _run_row(
+    row: str, mode: str, case: OracleCase, chunks: list, batch: dict, plan: list, terms: str
+) -> None:
     """One SkyRL training step (forward and backward) of ``row`` on this rank."""
     from megatron.core import parallel_state as ps
     from skyrl.backends.skyrl_train.utils.ppo_utils import (
@@ -183,6 +194,11 @@ def _run_row(row: str, mode: str, case: OracleCase, chunks: list, batch: dict, p
         actor_module=chunks,
         policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type),
     )
+    loss_mask, loss_fn = batch["loss_mask"], None
+    if terms == "sft":
+        loss_fn = "cross_entropy"
+        if row == "skyrl":  # DefaultCollator: the mask over the mini-batch's loss-token count
+            loss_mask = loss_mask / loss_mask.sum().clamp(min=1)
     if row == "skyrl":
         # The driver's pre-scaling over the whole mini-batch (trainer._normalize_advantages).
         advantages = apply_loss_reduction_to_advantages_minibatch(
@@ -196,9 +212,10 @@ def _run_row(row: str, mode: str, case: OracleCase, chunks: list, batch: dict, p
         # The two changes a SkyRL user makes (integrations/skyrl.py).
         advantages = adapter.raw_advantages(batch["advantages"], batch["loss_mask"])
         wrapper = adapter.LossFixModelWrapper.from_wrapper(wrapper)
-    mbs = _micro_batches(batch, advantages, sizes, sum(sum(p) for p in plan[:dp_rank]))
+    start = sum(sum(p) for p in plan[:dp_rank])
+    mbs = _micro_batches(batch, advantages, loss_mask, sizes, start)
     wrapper.forward_backward_mini_batch(
-        mbs, seq_len=batch["sequences"].shape[1], micro_batch_size=sizes[0]
+        mbs, seq_len=batch["sequences"].shape[1], micro_batch_size=sizes[0], loss_fn=loss_fn
     )
 
 
@@ -207,7 +224,7 @@ def skyrl_layout_grads(
     case: OracleCase,
     modes: Sequence[str],
     num_microbatches: int,
-    policy_term: bool = True,
+    terms: str = "all",
     rows: Sequence[str] = ROWS,
 ) -> dict[tuple[str, str], dict[str, torch.Tensor]] | None:
     """Every (row, mode) step under ``layout``; the full gradients on global rank 0."""
@@ -217,7 +234,7 @@ def skyrl_layout_grads(
 
     tiny_gpt.init_layout(layout)
     chunks, config = tiny_gpt.build_tiny_gpt(layout, seq_len=case.seq_length, **case.model_kwargs)
-    batch = skyrl_batch(case, config.vocab_size, policy_term)
+    batch = skyrl_batch(case, config.vocab_size, terms)
     batch = {
         k: v.to(next(chunks[0].parameters()).device) if torch.is_tensor(v) else v
         for k, v in batch.items()
@@ -229,13 +246,13 @@ def skyrl_layout_grads(
             tiny_gpt.set_deterministic_params(chunks, case.seed)
             for chunk in chunks:
                 chunk.zero_grad_buffer()
-            _run_row(row, mode, case, chunks, batch, plan)
+            _run_row(row, mode, case, chunks, batch, plan, terms)
             out[(row, mode)] = tiny_gpt.gather_full_grads(chunks)
     return out if torch.distributed.get_rank() == 0 else None
 
 
 def skyrl_reference(
-    case: OracleCase, mode: str, plan: Sequence[Sequence[int]], policy_term: bool = True
+    case: OracleCase, mode: str, plan: Sequence[Sequence[int]], terms: str = "all"
 ) -> dict[str, torch.Tensor]:
     """One rank, one micro-batch: the gradient of the exact objective (module docstring)."""
     from megatron_lossfix.audit.oracle import reference_weights, set_moe_aux_scale
@@ -255,7 +272,7 @@ def skyrl_reference(
     device = next(model.parameters()).device
     batch = {
         k: v.to(device) if torch.is_tensor(v) else v
-        for k, v in skyrl_batch(case, config.vocab_size, policy_term).items()
+        for k, v in skyrl_batch(case, config.vocab_size, terms).items()
     }
     # The padding mask SkyRL's unpacked path passes: with Megatron's local attention (no
     # Transformer Engine) a given mask replaces the causal one, so the reference attends alike.
@@ -273,7 +290,10 @@ def skyrl_reference(
     d = batch["base_action_log_probs"] - token_lp
     kl = torch.exp(d) - d - 1
     w = reference_weights(case, mode, plan)(batch["loss_mask"])
-    loss = (w * pg).sum() + KL_COEF * (w * kl).sum() - ENTROPY_COEF * (w * entropy).sum()
+    if terms == "sft":
+        loss = -(w * token_lp).sum()
+    else:
+        loss = (w * pg).sum() + KL_COEF * (w * kl).sum() - ENTROPY_COEF * (w * entropy).sum()
     set_moe_aux_scale(config, device)
     loss.backward()
     model.finish_grad_sync()
@@ -348,7 +368,7 @@ def run_stack(
     *,
     pool: Any = None,
     progress: IO[str] | None = sys.stderr,
-    policy_term: bool = True,
+    terms: str = "all",
     own_modes: bool = False,
     own_layouts: bool = False,
 ) -> StackReport:
@@ -356,18 +376,24 @@ def run_stack(
     ``own_modes`` / ``own_layouts``: use this stack's defaults instead."""
     from megatron_lossfix.audit.pool import DistPool
 
+    if terms not in TERMS:
+        raise ValueError(f"--terms {terms!r}: choose from {', '.join(TERMS)}")
+    stack_modes = ("token_mean",) if terms == "sft" else MODES
     if own_modes or own_layouts:
         opts = dataclasses.replace(
             opts,
-            modes=MODES if own_modes else opts.modes,
+            modes=stack_modes if own_modes else opts.modes,
             layouts=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS)
             if own_layouts
             else opts.layouts,
         )
 
-    bad = [m for m in opts.modes if m not in MODES]
+    bad = [m for m in opts.modes if m not in stack_modes]
     if bad:
-        raise ValueError(f"--stack skyrl: SkyRL has no mode {bad}; choose from {', '.join(MODES)}")
+        raise ValueError(
+            f"--stack skyrl --terms {terms}: no mode {bad} here; choose from "
+            f"{', '.join(stack_modes)}"
+        )
     started = time.perf_counter()
     report = StackReport(
         stack="skyrl",
@@ -375,7 +401,7 @@ def run_stack(
             **dataclasses.asdict(opts),
             "modes": list(opts.modes),
             "layouts": [lay.name for lay in opts.layouts],
-            "policy_term": policy_term,
+            "terms": terms,
         },
         modes=list(opts.modes),
         layouts=[lay.name for lay in opts.layouts],
@@ -401,12 +427,12 @@ def run_stack(
                     case,
                     tuple(opts.modes),
                     lay.num_microbatches,
-                    policy_term,
+                    terms,
                 )[0]
                 for mode in opts.modes:
                     key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
                     if key not in refs:
-                        refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, policy_term)[0]
+                        refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
                     for row in ROWS:
                         report.add(row, mode, lay.name, relative_error(got[(row, mode)], refs[key]))
                     if mode == "token_mean_legacy":
@@ -415,7 +441,7 @@ def run_stack(
                     if own_key not in own:
                         one = parse_layout("dp1-m1").parallel()
                         own[own_key] = pool.run(
-                            skyrl_layout_grads, 1, one, case, (mode,), 1, policy_term, ("skyrl",)
+                            skyrl_layout_grads, 1, one, case, (mode,), 1, terms, ("skyrl",)
                         )[0][("skyrl", mode)]
                     error = relative_error(got[("skyrl", mode)], own[own_key])
                     report.add(SELF_ROW, mode, lay.name, error)
