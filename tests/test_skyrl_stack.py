@@ -69,6 +69,24 @@ def test_stack_report_fails_on_an_adapted_miss_only():
     assert report.errors["skyrl+lossfix"]["a"] == 2e-5
 
 
+@pytest.mark.unit
+def test_stack_refuses_a_mode_skyrl_lacks_in_one_line(capsys):
+    from megatron_lossfix.audit.command import main
+
+    assert main(["--stack", "skyrl", "--modes", "off", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no mode ['off']" in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(HAVE_SKYRL, reason="checks the message shown where SkyRL is missing")
+def test_stack_without_skyrl_says_how_to_install(capsys):
+    from megatron_lossfix.audit.command import main
+
+    assert main(["--stack", "skyrl", "--no-progress"]) == 2
+    assert "pip install -e .[skyrl]" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ e2e
 
 

@@ -210,14 +210,18 @@ def _run_stack(
     from megatron_lossfix.audit.stacks import STACKS
     from megatron_lossfix.config import MODES
 
-    report = STACKS[args.stack](
-        opts,
-        pool=pool,
-        progress=progress,
-        terms=args.terms,
-        own_modes=opts.modes == MODES,
-        own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
-    )
+    try:
+        report = STACKS[args.stack](
+            opts,
+            pool=pool,
+            progress=progress,
+            terms=args.terms,
+            own_modes=opts.modes == MODES,
+            own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
+        )
+    except ValueError as exc:  # a setting the stack refuses: one line, like a bad flag
+        print(f"python -m megatron_lossfix audit: error: {exc}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(report.table())

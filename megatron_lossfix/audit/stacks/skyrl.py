@@ -25,6 +25,7 @@ The harness (data, layouts, reference) is ours; SkyRL's code runs unchanged from
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -394,6 +395,8 @@ def run_stack(
             f"--stack skyrl --terms {terms}: no mode {bad} here; choose from "
             f"{', '.join(stack_modes)}"
         )
+    if importlib.util.find_spec("skyrl") is None:
+        raise ValueError("--stack skyrl needs SkyRL installed: pip install -e .[skyrl]")
     started = time.perf_counter()
     report = StackReport(
         stack="skyrl",
