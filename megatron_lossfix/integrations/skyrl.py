@@ -208,10 +208,11 @@ class _LossFixWrapperMixin:
     """The part of :class:`LossFixModelWrapper` that does not depend on SkyRL's import."""
 
     lossfix_config: LossFixConfig
+    lossfix_schedule: LossFixSchedule
 
     def _lossfix_forward_backward(self, *, forward_step_func: Any, **kwargs: Any) -> Any:
         step = partial(_exact_forward_step, self, forward_step_func, *self._lossfix_loss)
-        return LossFixSchedule(self.lossfix_config)(forward_step_func=step, **kwargs)
+        return self.lossfix_schedule(forward_step_func=step, **kwargs)
 
 
 def _make_class() -> type:
@@ -233,6 +234,8 @@ def _make_class() -> type:
             if isinstance(lossfix, str):
                 lossfix = LossFixConfig(reduction=lossfix)
             self.lossfix_config = lossfix
+            # One schedule for the wrapper's life: its per-model checks run once.
+            self.lossfix_schedule = LossFixSchedule(lossfix)
 
         @classmethod
         def from_wrapper(
