@@ -33,6 +33,18 @@ setup(
         # Transformer Engine needs CUDA; it is used when present, never required.
         # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
         "te": ["transformer_engine[pytorch]"],
+        # SkyRL's Megatron path on a CPU machine: skyrl itself (no extras: its skyrl-train extra
+        # pins flash-attn, which needs CUDA to build) and the modules its Megatron model wrapper
+        # imports (megatron_model_wrapper -> skyrl.train, skyrl_gym, ray's registry).
+        "skyrl": [
+            "skyrl==0.3.0",
+            "skyrl-gym==0.4.0",
+            "ray==2.56.0",
+            "omegaconf",
+            "loguru",
+            "jaxtyping",
+            "pydantic",
+        ],
     },
     entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
     classifiers=[

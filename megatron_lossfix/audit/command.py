@@ -180,8 +180,10 @@ def main(
     if pool is None:  # workers started later inherit the filters
         _quiet_known_warnings()
     progress = None if args.no_progress else sys.stderr
-    report = run_audit(opts, pool=pool, progress=progress, worker=worker)
     out = Path(args.out)
+    if args.stack:
+        return _run_stack(args, opts, pool, progress, out)
+    report = run_audit(opts, pool=pool, progress=progress, worker=worker)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(format_table(report))
@@ -196,4 +198,32 @@ def main(
             plot_report(report, out / "audit.png")
             written.append(out / "audit.png")
     print("wrote " + ", ".join(str(p) for p in written) + note)
+    return 0 if report.passed else 1
+
+
+def _run_stack(
+    args: argparse.Namespace, opts: AuditOptions, pool: Any, progress: Any, out: Path
+) -> int:
+    """``--stack NAME``: the framework's own loss path, as released and through the adapter.
+    Modes and layouts left at the plugin audit's defaults become the stack's own defaults."""
+    from megatron_lossfix.audit.options import DEFAULT_LAYOUTS as plugin_layouts
+    from megatron_lossfix.audit.stacks import STACKS
+    from megatron_lossfix.reduction import MODES
+
+    try:
+        report = STACKS[args.stack](
+            opts,
+            pool=pool,
+            progress=progress,
+            terms=args.terms,
+            own_modes=opts.modes == MODES,
+            own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
+        )
+    except ValueError as exc:  # a setting the stack refuses: one line, like a bad flag
+        print(f"python -m megatron_lossfix audit: error: {exc}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(report.table())
+    print(f"wrote {out / 'audit.json'}")
     return 0 if report.passed else 1

@@ -55,6 +55,7 @@ class MatrixLayout:
     cp: int = 1
     dp: int = 1
     num_microbatches: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -67,21 +68,22 @@ class MatrixLayout:
 
     def parallel(self) -> Layout:
         """The tiny GPT's layout (the DP size follows from the world size)."""
-        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, dp=self.dp)
+        return Layout(tp=self.tp, pp=self.pp, vpp=self.vpp, cp=self.cp, dp=self.dp, ep=self.ep)
 
     def plan(self, case: OracleCase) -> Plan:
         """How this layout cuts ``case``'s step (:func:`plan_of`)."""
         return plan_of(case, self.parallel(), self.world_size, self.num_microbatches)
 
 
-_LAYOUT_PART = re.compile(r"(vpp|tp|pp|cp|dp|m)(\d+)")
+_LAYOUT_PART = re.compile(r"(vpp|tp|pp|cp|ep|dp|m)(\d+)")
 
 
 def parse_layout(name: str) -> MatrixLayout:
     """``tp2-pp2-dp2-m3`` -> TP=2, PP=2, DP=2, 3 micro-batches per DP rank.
 
     Parts, joined by ``-`` in any order: ``tp<N>``, ``pp<N>``, ``vpp<N>`` (virtual stages per PP
-    rank, interleaved 1F1B), ``cp<N>``, ``dp<N>`` (default 1) and ``m<N>`` (required).
+    rank, interleaved 1F1B), ``cp<N>``, ``ep<N>`` (experts split over N ranks of a stage: a MoE
+    model; not part of the world size), ``dp<N>`` (default 1) and ``m<N>`` (required).
     Raises ``ValueError`` for anything else.
     """
     values: dict[str, int] = {}
@@ -89,7 +91,7 @@ def parse_layout(name: str) -> MatrixLayout:
         match = _LAYOUT_PART.fullmatch(part)
         if not match or match[1] in values or int(match[2]) < 1:
             raise ValueError(
-                f"bad layout {name!r}: expected parts like tp2, pp2, vpp2, cp2, dp2 and m3 "
+                f"bad layout {name!r}: expected parts like tp2, pp2, vpp2, cp2, ep2, dp2 and m3 "
                 f"(micro-batches per DP rank), each once and >= 1, joined by '-'"
             )
         values[match[1]] = int(match[2])
@@ -105,6 +107,7 @@ def parse_layout(name: str) -> MatrixLayout:
         cp=values.get("cp", 1),
         dp=values.get("dp", 1),
         num_microbatches=values["m"],
+        ep=values.get("ep", 1),
     )
 
 

@@ -15,6 +15,7 @@ from megatron_lossfix.audit.matrix import (
     parse_layout,
 )
 from megatron_lossfix.audit.oracle import OracleCase
+from megatron_lossfix.audit.stacks import STACKS
 from megatron_lossfix.reduction import MODES
 
 __all__ = [
@@ -69,6 +70,9 @@ class AuditOptions:
         # (docs/design.md §7): CP layouts use the same model with attention replaced by identity.
         if layout.cp > 1:
             model["no_attention"] = True
+        # Expert parallelism needs experts: an EP layout audits a MoE model with two per rank.
+        if layout.ep > 1:
+            model["num_experts"] = 2 * layout.ep
         return OracleCase(
             global_batch_size=self.global_batch_size,
             seq_length=self.seq_length,
@@ -163,6 +167,21 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "tp<N>, pp<N>, vpp<N>, cp<N>, dp<N> and m<N> (micro-batches per DP rank, required) "
         f"with '-', at most 8 ranks; e.g. {', '.join(LAYOUT_PRESETS)}. CP layouts replace "
         "attention by identity (no Transformer Engine on CPU)",
+    )
+    parser.add_argument(
+        "--stack",
+        choices=sorted(STACKS),
+        help="audit a framework's own Megatron loss path instead of the plugin alone: rows "
+        "<stack> (as released) and <stack>+lossfix (through the adapter); the framework must "
+        "be installed (pip install -e .[<stack>]). Default modes and layouts are the stack's own",
+    )
+    parser.add_argument(
+        "--terms",
+        choices=("all", "kl_entropy", "sft"),
+        default="all",
+        help="with --stack: which loss terms to audit: all (policy, KL, entropy; default), "
+        "kl_entropy (zero advantages: KL and entropy alone) or sft (the framework's SFT "
+        "cross-entropy path, token_mean)",
     )
     parser.add_argument(
         "--out",

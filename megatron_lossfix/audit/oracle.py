@@ -26,7 +26,9 @@ __all__ = [
     "make_global_batch",
     "microbatch_plan",
     "reference_grads",
+    "reference_weights",
     "relative_error",
+    "set_moe_aux_scale",
 ]
 
 
@@ -238,7 +240,7 @@ def layout_grads(
     return out if torch.distributed.get_rank() == 0 else None
 
 
-def _reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
+def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
     ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
     from megatron_lossfix.losses import loss_weights
@@ -259,7 +261,7 @@ def _reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]
     return weights_of
 
 
-def _set_moe_aux_scale(config: Any, device: torch.device) -> None:
+def set_moe_aux_scale(config: Any, device: torch.device) -> None:
     """The aux losses' backward reads a class-wide scale that Megatron's schedule sets; set
     what it would set for one rank and one micro-batch. Left unset, the backward would store a
     0-dim 1.0 there, which a later schedule call in this process cannot copy its [1]-shaped
@@ -278,7 +280,7 @@ def reference_grads(
     ``{"grads", "loss"}`` plus ``{"grad_norm", "update"}`` with ``case.optimizer``.
 
     ``plan`` (each DP rank's micro-batch sizes, :func:`microbatch_plan`) matters only for
-    ``token_mean_legacy`` (see :func:`_reference_weights`). ``off`` is compared with
+    ``token_mean_legacy`` (see :func:`reference_weights`). ``off`` is compared with
     ``token_mean``. Must run on a rank whose process group has exactly one rank.
     """
     from megatron_lossfix.audit.tiny_gpt import (
@@ -300,7 +302,7 @@ def reference_grads(
     set_deterministic_params(chunks, case.seed)
     optimizer = _optimizer(case, chunks, distributed=False) if case.optimizer else None
     batch = _on_model_device(make_global_batch(case, config.vocab_size), chunks)
-    weights_of = _reference_weights(case, mode, plan)
+    weights_of = reference_weights(case, mode, plan)
 
     model = chunks[0]
     model.zero_grad_buffer()
@@ -316,7 +318,7 @@ def reference_grads(
         mtp_losses = _reference_mtp_losses(batch, mtp_logits(), weights_of)
         scale = config.mtp_loss_scaling_factor / len(mtp_losses)
         loss = loss + scale * torch.stack(mtp_losses).sum()
-    _set_moe_aux_scale(config, loss.device)
+    set_moe_aux_scale(config, loss.device)
     loss.backward()
     model.finish_grad_sync()
     result = {"grads": gather_full_grads(chunks), "loss": main_loss}

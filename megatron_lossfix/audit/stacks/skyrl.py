@@ -1,0 +1,457 @@
+"""``--stack skyrl``: SkyRL's own Megatron loss path under the audit's layouts.
+
+Each rank builds the audit's tiny GPT for the layout and hands SkyRL's
+``MegatronModelWrapper.forward_backward_mini_batch`` one mini-batch in SkyRL's micro-batch format
+(sequences, attention mask, old and reference log-probs, advantages, loss mask over the response),
+configured with SkyRL's own ``TrainerConfig`` (PPO ``regular`` policy loss, k3 KL and entropy with
+coefficients above zero). Two rows per mode:
+
+- ``skyrl``: as released: advantages pre-scaled on the driver by SkyRL's
+  ``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch, then SkyRL's
+  ``loss_func`` with its ``num_microbatches x dp`` factor and per-micro-batch KL/entropy means;
+- ``skyrl+lossfix``: the same step through :class:`~megatron_lossfix.integrations.skyrl.
+  LossFixModelWrapper` with raw advantages.
+
+Both are compared with one one-rank, one-micro-batch reference of the exact objective
+``sum(w * (pg + kl_coef * kl - entropy_coef * entropy))`` with the plugin's weights ``w`` of the
+mode (docs/design.md §2: regularizers use the same weights). ``terms`` picks what is audited
+(:data:`TERMS`): ``all``; ``kl_entropy`` (zero advantages: the KL and entropy terms alone); or
+``sft``, SkyRL's SFT path (``loss_fn="cross_entropy"``, its loss mask divided by the mini-batch's
+loss-token count as its ``DefaultCollator`` does) against ``sum(w * nll)``, ``token_mean`` only.
+
+The harness (data, layouts, reference) is ours; SkyRL's code runs unchanged from its package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+import torch
+
+from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
+from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan, relative_error
+
+__all__ = [
+    "ENTROPY_COEF",
+    "KL_COEF",
+    "MODES",
+    "ROWS",
+    "StackReport",
+    "run_stack",
+    "skyrl_batch",
+    "skyrl_layout_grads",
+    "skyrl_reference",
+]
+
+#: SkyRL's ``algorithm.loss_reduction`` values; each is the plugin mode of the same name.
+MODES: tuple[str, ...] = (
+    "token_mean",
+    "token_mean_legacy",
+    "sequence_mean",
+    "seq_mean_token_sum_norm",
+)
+ROWS: tuple[str, ...] = ("skyrl", "skyrl+lossfix")
+#: What a run audits (module docstring).
+TERMS: tuple[str, ...] = ("all", "kl_entropy", "sft")
+#: SkyRL's gradient under a layout against its own one-rank, one-micro-batch gradient: its
+#: layout dependence alone, apart from how its objective differs from the exact one.
+SELF_ROW = "skyrl-vs-1rank"
+KL_COEF = 0.1
+ENTROPY_COEF = 0.05
+#: The stack audit's default layouts: one rank (SkyRL's definitions alone), DP, PP, CP, TP and
+#: EP2 MoE.
+DEFAULT_LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp2-m3", "pp2-m4", "cp2-m3", "tp2-m3", "ep2-dp2-m3")
+
+
+def stack_case(opts: Any, layout: MatrixLayout) -> OracleCase:
+    """The audit's case for ``layout``, with what SkyRL's path needs on CPU: CP runs SkyRL's
+    packed (THD) path, whose model call passes no position ids, so CP layouts use a model with
+    no attention and no position embedding."""
+    case = opts.case(layout)
+    model = dict(case.model_kwargs)
+    if not model.get("num_experts"):
+        # SkyRL's worker sets it on its model provider: micro-batches are trimmed to their
+        # longest sequence, so pipeline stages exchange activations of varying length. (Megatron
+        # refuses it with the allgather dispatcher; MoE rows keep a fixed length, see
+        # skyrl_batch.)
+        model.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    if layout.cp > 1:
+        model["position_embedding_type"] = "none"
+    return dataclasses.replace(case, model_kwargs=model)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def skyrl_batch(case: OracleCase, vocab_size: int, terms: str = "all") -> dict[str, Any]:
+    """The mini-batch in SkyRL's layout: a prompt of ``seq_length // 4`` tokens, then a response
+    of variable length (some empty) padded on the right; ``loss_mask`` and the log-probs cover
+    the last ``num_actions`` positions."""
+    gen = torch.Generator().manual_seed(case.seed)
+    b, s = case.global_batch_size, case.seq_length
+    prompt = s // 4
+    num_actions = s - prompt
+    sequences = torch.randint(0, vocab_size, (b, s), generator=gen)
+    response = torch.randint(0, num_actions + 1, (b,), generator=gen)
+    response[::7] = 0  # sequences with no loss token
+    pos = torch.arange(s)
+    attention_mask = (pos[None, :] < (prompt + response)[:, None]).long()
+    if case.model_kwargs.get("num_experts"):
+        # Megatron's allgather token dispatcher (the one gloo can run) needs the same token
+        # count on every expert-parallel rank; SkyRL trims each micro-batch to its longest
+        # sequence, so MoE runs attend to whole rows (the loss masks still vary).
+        attention_mask = torch.ones_like(attention_mask)
+    loss_mask = (torch.arange(num_actions)[None, :] < response[:, None]).float()
+    base = -torch.log(torch.tensor(float(vocab_size)))
+    old = base + 0.3 * torch.randn(b, num_actions, generator=gen)
+    ref = base + 0.3 * torch.randn(b, num_actions, generator=gen)
+    adv = torch.randn(b, 1, generator=gen).expand(b, num_actions).clone()
+    if terms == "kl_entropy":
+        adv.zero_()
+    return {
+        "sequences": sequences,
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
+        "num_actions": num_actions,
+        "old_action_log_probs": old,
+        "base_action_log_probs": ref,
+        "advantages": adv * loss_mask,
+        "loss_mask": loss_mask,
+    }
+
+
+def _trainer_config(mode: str, case: OracleCase, cp: int) -> Any:
+    """SkyRL's own TrainerConfig for the audit: PPO ``regular``, k3 KL and entropy on."""
+    from skyrl.train.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    # SkyRL supports CP only on its packed (THD) path; the unpacked path elsewhere.
+    cfg.remove_microbatch_padding = cp > 1
+    alg = cfg.algorithm
+    alg.loss_reduction = mode
+    alg.policy_loss_type = "regular"
+    alg.use_kl_loss, alg.kl_loss_coef, alg.kl_estimator_type = True, KL_COEF, "k3"
+    alg.use_entropy_loss, alg.entropy_loss_coef = True, ENTROPY_COEF
+    alg.max_seq_len = int(case.norm_constant)
+    return cfg
+
+
+def _micro_batches(
+    batch: dict[str, Any],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    sizes: Sequence[int],
+    start: int,
+) -> list[dict[str, Any]]:
+    """This DP rank's micro-batches, as SkyRL's worker builds them (``forward_backward``)."""
+    out, at = [], start
+    for size in sizes:
+        part = {
+            k: (v[at : at + size] if torch.is_tensor(v) else v)
+            for k, v in batch.items()
+            if k not in ("advantages", "loss_mask")
+        }
+        part.update(
+            advantages=advantages[at : at + size],
+            loss_mask=loss_mask[at : at + size],
+            rollout_action_logprobs=None,
+            action_mask=None,
+            num_microbatches=len(sizes),
+            num_real_microbatches=len(sizes),
+        )
+        out.append(part)
+        at += size
+    return out
+
+
+# ------------------------------------------------------------------------------ per rank
+
+
+def _run_row(
+    row: str, mode: str, case: OracleCase, chunks: list, batch: dict, plan: list, terms: str
+) -> None:
+    """One SkyRL training step (forward and backward) of ``row`` on this rank."""
+    from megatron.core import parallel_state as ps
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        PolicyLossRegistry,
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+    from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
+        MegatronModelWrapper,
+    )
+
+    from megatron_lossfix.integrations import skyrl as adapter
+
+    cfg = _trainer_config(mode, case, ps.get_context_parallel_world_size())
+    dp_rank = ps.get_data_parallel_rank()
+    sizes = plan[dp_rank]
+    wrapper = MegatronModelWrapper(
+        config=cfg,
+        actor_module=chunks,
+        policy_loss_fn=PolicyLossRegistry.get(cfg.algorithm.policy_loss_type),
+    )
+    loss_mask, loss_fn = batch["loss_mask"], None
+    if terms == "sft":
+        loss_fn = "cross_entropy"
+        if row == "skyrl":  # DefaultCollator: the mask over the mini-batch's loss-token count
+            loss_mask = loss_mask / loss_mask.sum().clamp(min=1)
+    if row == "skyrl":
+        # The driver's pre-scaling over the whole mini-batch (trainer._normalize_advantages).
+        advantages = apply_loss_reduction_to_advantages_minibatch(
+            advantages=batch["advantages"],
+            loss_mask=batch["loss_mask"],
+            loss_reduction=mode,
+            micro_batch_size=sizes[0],
+            max_seq_len=cfg.algorithm.max_seq_len,
+        )
+    else:
+        # The two changes a SkyRL user makes (integrations/skyrl.py).
+        advantages = adapter.raw_advantages(batch["advantages"], batch["loss_mask"])
+        wrapper = adapter.LossFixModelWrapper.from_wrapper(wrapper)
+    start = sum(sum(p) for p in plan[:dp_rank])
+    mbs = _micro_batches(batch, advantages, loss_mask, sizes, start)
+    wrapper.forward_backward_mini_batch(
+        mbs, seq_len=batch["sequences"].shape[1], micro_batch_size=sizes[0], loss_fn=loss_fn
+    )
+
+
+def skyrl_layout_grads(
+    layout: Any,
+    case: OracleCase,
+    modes: Sequence[str],
+    num_microbatches: int,
+    terms: str = "all",
+    rows: Sequence[str] = ROWS,
+) -> dict[tuple[str, str], dict[str, torch.Tensor]] | None:
+    """Every (row, mode) step under ``layout``; the full gradients on global rank 0."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.audit import tiny_gpt
+
+    tiny_gpt.init_layout(layout)
+    chunks, config = tiny_gpt.build_tiny_gpt(layout, seq_len=case.seq_length, **case.model_kwargs)
+    batch = skyrl_batch(case, config.vocab_size, terms)
+    batch = {
+        k: v.to(next(chunks[0].parameters()).device) if torch.is_tensor(v) else v
+        for k, v in batch.items()
+    }
+    plan = microbatch_plan(case, ps.get_data_parallel_world_size(), num_microbatches)
+    out = {}
+    for mode in modes:
+        for row in rows:
+            tiny_gpt.set_deterministic_params(chunks, case.seed)
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            _run_row(row, mode, case, chunks, batch, plan, terms)
+            out[(row, mode)] = tiny_gpt.gather_full_grads(chunks)
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def skyrl_reference(
+    case: OracleCase, mode: str, plan: Sequence[Sequence[int]], terms: str = "all"
+) -> dict[str, torch.Tensor]:
+    """One rank, one micro-batch: the gradient of the exact objective (module docstring)."""
+    from megatron_lossfix.audit.oracle import reference_weights, set_moe_aux_scale
+    from megatron_lossfix.audit.tiny_gpt import (
+        Layout,
+        build_tiny_gpt,
+        gather_full_grads,
+        init_layout,
+        set_deterministic_params,
+    )
+
+    layout = init_layout(Layout())
+    chunks, config = build_tiny_gpt(layout, seq_len=case.seq_length, **case.model_kwargs)
+    set_deterministic_params(chunks, case.seed)
+    model = chunks[0]
+    model.zero_grad_buffer()
+    device = next(model.parameters()).device
+    batch = {
+        k: v.to(device) if torch.is_tensor(v) else v
+        for k, v in skyrl_batch(case, config.vocab_size, terms).items()
+    }
+    # The padding mask SkyRL's unpacked path passes: with Megatron's local attention (no
+    # Transformer Engine) a given mask replaces the causal one, so the reference attends alike.
+    mask = None
+    if case.model_kwargs.get("position_embedding_type") != "none":
+        mask = (batch["attention_mask"] == 0)[:, None, None, :]
+    logits = model(batch["sequences"], batch["position_ids"], mask).float()
+    a = batch["num_actions"]
+    logp = torch.log_softmax(logits, dim=-1)
+    token_lp = logp[:, :-1].gather(-1, batch["sequences"][:, 1:, None]).squeeze(-1)[:, -a:]
+    entropy = -(logp.exp() * logp).sum(-1)[:, -a - 1 : -1]
+    ratio = torch.exp(token_lp - batch["old_action_log_probs"])
+    adv = batch["advantages"]
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    d = batch["base_action_log_probs"] - token_lp
+    kl = torch.exp(d) - d - 1
+    w = reference_weights(case, mode, plan)(batch["loss_mask"])
+    if terms == "sft":
+        loss = -(w * token_lp).sum()
+    else:
+        loss = (w * pg).sum() + KL_COEF * (w * kl).sum() - ENTROPY_COEF * (w * entropy).sum()
+    set_moe_aux_scale(config, device)
+    loss.backward()
+    model.finish_grad_sync()
+    return gather_full_grads(chunks)
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+@dataclasses.dataclass
+class StackReport:
+    """``errors[row][layout]`` (worst mode) and ``errors["row/mode"][layout]``, the verdict."""
+
+    stack: str
+    options: dict[str, Any]
+    modes: list[str]
+    layouts: list[str]
+    tolerance: float
+    errors: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    layout_errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def add(self, row: str, mode: str, layout: str, error: float) -> None:
+        self.errors.setdefault(f"{row}/{mode}", {})[layout] = error
+        worst = self.errors.setdefault(row, {})
+        worst[layout] = max(worst.get(layout, 0.0), error)
+
+    @property
+    def adapted_rows(self) -> list[str]:
+        return [r for r in self.errors if r.split("/")[0].endswith("+lossfix")]
+
+    @property
+    def passed(self) -> bool:
+        misses = [
+            e for r in self.adapted_rows for e in self.errors[r].values() if e > self.tolerance
+        ]
+        return not misses and not self.layout_errors
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stack": self.stack,
+            "passed": self.passed,
+            "tolerance": self.tolerance,
+            "modes": self.modes,
+            "layouts": self.layouts,
+            "errors": self.errors,
+            "layout_errors": self.layout_errors,
+            "options": self.options,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+
+    def table(self) -> str:
+        rows = [r for r in self.errors if "/" in r]
+        width = max(len(r) for r in rows) if rows else 10
+        head = f"{'row/mode':<{width}}  " + "  ".join(f"{lay:>11}" for lay in self.layouts)
+        lines = [head]
+        for r in rows:
+            cells = [self.errors[r].get(lay) for lay in self.layouts]
+            lines.append(
+                f"{r:<{width}}  "
+                + "  ".join(f"{'-':>11}" if c is None else f"{c:11.2e}" for c in cells)
+            )
+        for lay, why in self.layout_errors.items():
+            lines.append(f"{lay}: FAILED: {why}")
+        verdict = "PASS" if self.passed else "FAIL"
+        lines.append(f"{verdict}: every +lossfix row within {self.tolerance:.0e} (relative L2)")
+        return "\n".join(lines)
+
+
+def run_stack(
+    opts: Any,
+    *,
+    pool: Any = None,
+    progress: IO[str] | None = sys.stderr,
+    terms: str = "all",
+    own_modes: bool = False,
+    own_layouts: bool = False,
+) -> StackReport:
+    """The SkyRL stack audit over ``opts.layouts`` and ``opts.modes`` (SkyRL's modes only);
+    ``own_modes`` / ``own_layouts``: use this stack's defaults instead."""
+    from megatron_lossfix.audit.pool import DistPool
+
+    if terms not in TERMS:
+        raise ValueError(f"--terms {terms!r}: choose from {', '.join(TERMS)}")
+    stack_modes = ("token_mean",) if terms == "sft" else MODES
+    if own_modes or own_layouts:
+        opts = dataclasses.replace(
+            opts,
+            modes=stack_modes if own_modes else opts.modes,
+            layouts=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS)
+            if own_layouts
+            else opts.layouts,
+        )
+
+    bad = [m for m in opts.modes if m not in stack_modes]
+    if bad:
+        raise ValueError(
+            f"--stack skyrl --terms {terms}: no mode {bad} here; choose from "
+            f"{', '.join(stack_modes)}"
+        )
+    if importlib.util.find_spec("skyrl") is None:
+        raise ValueError("--stack skyrl needs SkyRL installed: pip install -e .[skyrl]")
+    started = time.perf_counter()
+    report = StackReport(
+        stack="skyrl",
+        options={
+            **dataclasses.asdict(opts),
+            "modes": list(opts.modes),
+            "layouts": [lay.name for lay in opts.layouts],
+            "terms": terms,
+        },
+        modes=list(opts.modes),
+        layouts=[lay.name for lay in opts.layouts],
+        tolerance=opts.tolerance,
+    )
+    world = max(lay.world_size for lay in opts.layouts)
+    own_pool = pool is None
+    if own_pool:
+        pool = DistPool(max_ranks=world, timeout_s=opts.timeout_s)
+    refs: dict[tuple, dict[str, torch.Tensor]] = {}
+    own: dict[tuple, dict] = {}
+    try:
+        for lay in opts.layouts:
+            if progress is not None:
+                print(f"skyrl stack: {lay.name}", file=progress, flush=True)
+            case = stack_case(opts, lay)
+            plan = microbatch_plan(case, lay.dp, lay.num_microbatches)
+            try:
+                got = pool.run(
+                    skyrl_layout_grads,
+                    lay.world_size,
+                    lay.parallel(),
+                    case,
+                    tuple(opts.modes),
+                    lay.num_microbatches,
+                    terms,
+                )[0]
+                for mode in opts.modes:
+                    key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
+                    if key not in refs:
+                        refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
+                    for row in ROWS:
+                        report.add(row, mode, lay.name, relative_error(got[(row, mode)], refs[key]))
+                    if mode == "token_mean_legacy":
+                        continue  # defined by the micro-batch split: no layout-free value
+                    own_key = (repr(case), mode)
+                    if own_key not in own:
+                        one = parse_layout("dp1-m1").parallel()
+                        own[own_key] = pool.run(
+                            skyrl_layout_grads, 1, one, case, (mode,), 1, terms, ("skyrl",)
+                        )[0][("skyrl", mode)]
+                    error = relative_error(got[("skyrl", mode)], own[own_key])
+                    report.add(SELF_ROW, mode, lay.name, error)
+            except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
+                report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if own_pool:
+            pool.close()
+    report.elapsed_s = time.perf_counter() - started
+    return report
