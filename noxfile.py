@@ -48,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from xml.etree import ElementTree
 
@@ -279,8 +280,6 @@ def _pytest(session: nox.Session, streams: list[list[Run]]) -> None:
     """Run the pytests of each stream one after the other, the streams side by side: the
     first's output streams, the others' follows it. Fails when any fails, and when no test ran
     (pytest alone exits 0 when every selected test skipped); logs each pytest's time."""
-    import time
-
     tmp = session.create_tmp()
     base_env = {k: v for k, v in {**os.environ, **session.env}.items() if v is not None}
     runs = [run for stream in streams for run in stream]
