@@ -32,7 +32,7 @@ work and no core left idle, not more streams.
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
 line, without it. While ``tests-3.11`` runs its tests, the 3.12 world is set up in the background
-at a lower priority (``_start_312``): its wheels, then Megatron Bridge's
+(``_start_312``): its wheels, then Megatron Bridge's
 (``.ci/bridge-requirements.txt``), are downloaded into ``.nox/wheels-3.12`` and both virtualenvs
 are built from that folder (Bridge's without an index, when its download worked), so that
 ``tests-3.12`` starts its tests at once.
@@ -133,14 +133,17 @@ def _python(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
 
-def _start_312(session: nox.Session, *, nice: bool, bridge: bool = True) -> None:
+def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
     """Start, once, the 3.12 world's set-up in the background: download its wheels into
     ``WHEELS_312`` (torch and megatron-core with their dependencies, then Megatron Bridge's), and
     beside those downloads build ``WORLD_312`` from them, then ``BRIDGE_312`` over it (without
     ``bridge``, neither Bridge's download nor its build).
 
-    ``tests-3.11`` starts it with ``nice`` (its tests keep the cores first; the installs, mostly
-    unpacking, take what they leave); ``tests-3.12`` waits for what it needs (``_built``)."""
+    ``tests-3.11`` starts it; ``tests-3.12`` waits for what it needs (``_built``). Not at a lower
+    priority: the cores are busy with tests throughout, and the scheduler weighs a nice-10
+    process at about a tenth of a test's, so a niced build would mostly run after ``tests-3.11``,
+    with ``tests-3.12`` waiting for it; sharing the cores, it costs the 3.11 tests what it costs
+    and is done when they are."""
     python = shutil.which("python3.12")
     if _jobs or python is None:
         return
@@ -151,7 +154,6 @@ def _start_312(session: nox.Session, *, nice: bool, bridge: bool = True) -> None
     constraints = os.path.join(WHEELS_312, "constraints.txt")
     with open(constraints, "w") as f:
         f.write("\n".join(pins) + "\n")
-    prefix = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
     pip = [python, "-m", "pip", "download", "-q", "-d", WHEELS_312, "--find-links", WHEELS_312]
     local = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": os.path.abspath(WHEELS_312)}
 
@@ -159,7 +161,7 @@ def _start_312(session: nox.Session, *, nice: bool, bridge: bool = True) -> None
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         full_env = {**os.environ, **(env or {})}
-        proc = subprocess.Popen([*prefix, *cmd], stdout=log, stderr=log, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=full_env)
         _job_procs.append(proc)
         _jobs[name][1].append(proc.wait())
         return _jobs[name][1][-1] == 0
@@ -355,7 +357,7 @@ def tests_311(session: nox.Session) -> None:
     """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
     _install(session, "3.11")
     if "tests-3.12" in _selected():  # after this install, not beside it: both fetch and unpack
-        _start_312(session, nice=True)
+        _start_312(session)
     venv = session.virtualenv.location
     if session.posargs:
         _pytest(session, [[(lambda: venv, session.posargs)]])
@@ -371,7 +373,7 @@ def tests_312(session: nox.Session) -> None:
     background from ``tests-3.11`` when both run), not one of nox's."""
     if shutil.which("python3.12") is None:
         session.error("tests-3.12 needs python3.12 on PATH")
-    _start_312(session, nice=False, bridge=not session.posargs)
+    _start_312(session, bridge=not session.posargs)
     try:
         world = _built(session, "world-3.12", WORLD_312)
     except RuntimeError as err:
