@@ -204,9 +204,10 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
     for target in (downloads, builds):
         threading.Thread(target=target, daemon=True).start()
     atexit.register(lambda: [p.terminate() for p in _job_procs if p.poll() is None])
+    then = f", then Megatron Bridge over it in {BRIDGE_312}" if bridge else ""
     session.log(
-        f"building the 3.12 world in the background: {WORLD_312}, then Megatron Bridge over it "
-        f"in {BRIDGE_312}, from wheels downloaded into {WHEELS_312} (log: {BUILD_LOG_312})"
+        f"building the 3.12 world in the background: {WORLD_312}{then}, from wheels downloaded "
+        f"into {WHEELS_312} (log: {BUILD_LOG_312})"
     )
 
 
