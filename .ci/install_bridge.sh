@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install Megatron Bridge 0.6.2 into an existing Python 3.12 environment that already holds
-# torch and megatron-core 0.19.x, on a machine without CUDA.
+# torch and megatron-core 0.19.x, on a machine without CUDA. (CI installs it into a virtualenv
+# whose .pth file adds the suite's site-packages after its own: pip sees torch and megatron-core
+# there and installs only what is missing, into the upper virtualenv.)
 #
 #   .ci/install_bridge.sh PATH/TO/VENV/bin/python
 #

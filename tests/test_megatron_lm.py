@@ -214,14 +214,22 @@ class _Runs:
         self.root = root
         self.copies: dict[tuple[str, str], tuple[Path, int, str, list[str]]] = {}
         self.results: dict[tuple[str, str, str, str], list[dict]] = {}
+        #: (checkout, model) -> the run that saved the initial weights (a ``RunResult``).
+        self.initial: dict[tuple[str, str], object] = {}
         self._attempts = 0
 
     def copy(self, checkout: str, model: str) -> tuple[Path, int, str, list[str]]:
         """The patched tree of tag ``checkout``, its EOD id, the prefix of its masked data and
-        the flags that load the initial weights every layout of ``model`` starts from."""
+        the flags that load the initial weights every layout of ``model`` starts from.
+
+        The run that saves those weights is stock Megatron-LM's one training step at learning
+        rate 0 on one rank: with the validation flags (:func:`_validation_args`) it is also the
+        stock run that ``test_validation_loss_is_layout_invariant`` compares with (the layouts'
+        training runs read only the weights)."""
         if (checkout, model) not in self.copies:
             from helpers.megatron_lm_run import (
                 checkout_null_tokenizer_eod,
+                reuse_installed_helpers,
                 save_initial_checkpoint,
                 write_padded_dataset,
             )
@@ -230,11 +238,13 @@ class _Runs:
             self._attempts += 1
             copy = unpack_tag(ARCHIVES, checkout, self.root / f"megatron-lm-{n}")
             patches.apply(copy)
+            reuse_installed_helpers(copy)
             eod = checkout_null_tokenizer_eod(copy)
             data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
-            args = tiny_gpt_args(micro_batch_size=1, data_path=data, eod=eod) + MODELS[model]
-            load = save_initial_checkpoint(copy, args, self.root / f"init-{n}")
+            args = _validation_args(data, eod, micro_batch_size=1) + MODELS[model]
+            load, result = save_initial_checkpoint(copy, args, self.root / f"init-{n}")
             self.copies[checkout, model] = (copy, eod, data, load)
+            self.initial[checkout, model] = result
         return self.copies[checkout, model]
 
     def get(self, checkout: str, layout: str, mode: str, model: str = "dense") -> list[dict]:
@@ -379,17 +389,22 @@ EVAL_LAYOUTS = {"mb1": (1, 1), "mb4": (1, 4), "dp2": (2, 1)}
 _VALIDATION = re.compile(r"validation loss at iteration\s+(\d+).*?lm loss value: ([0-9.E+-]+)")
 
 
+def _validation_args(data: str, eod: int, *, micro_batch_size: int) -> list[str]:
+    """One training step at learning rate 0 (the same weights in every layout), then Megatron-LM
+    evaluates on a validation split of the masked data and logs the validation loss."""
+    args = tiny_gpt_args(micro_batch_size=micro_batch_size, train_iters=1, data_path=data, eod=eod)
+    for flag, value in (("--split", "50,50,0"), ("--eval-iters", "2"), ("--lr", "0")):
+        args[args.index(flag) + 1] = value
+    return [*args, "--eval-interval", "1", "--min-lr", "0"]
+
+
 def _validation_launch(lm_runs: _Runs, checkout: str, layout: str, mode: str):
-    """The run whose logged validation losses come after one training step at learning rate 0
-    (the same weights in every layout), on a validation split of the masked data."""
+    """The run of ``mode`` under ``layout`` from the initial weights (:func:`_validation_args`)."""
     from helpers.megatron_lm_run import Launch
 
     copy, eod, data, load = lm_runs.copy(checkout, "dense")
     nproc, mbs = EVAL_LAYOUTS[layout]
-    args = tiny_gpt_args(micro_batch_size=mbs, train_iters=1, data_path=data, eod=eod) + load
-    for flag, value in (("--split", "50,50,0"), ("--eval-iters", "2"), ("--lr", "0")):
-        args[args.index(flag) + 1] = value
-    args += ["--eval-interval", "1", "--min-lr", "0"]
+    args = _validation_args(data, eod, micro_batch_size=mbs) + load
     if mode != "stock":
         args += ["--loss-reduction", mode]
     return Launch(megatron_lm_path=copy, args=args, nproc=nproc)
@@ -403,11 +418,11 @@ def _validation_losses(result) -> list[float]:
 
 
 #: (mode, layout) pairs of the validation test: the routed mode under every layout, and stock
-#: (Megatron-LM's own token mean: token_mean without --sft is not routed) once, to differ from.
-#: One-rank runs first, so that they pair up on two cores.
+#: (Megatron-LM's own token mean: token_mean without --sft is not routed) once, to differ from:
+#: that one is the run that saved the initial weights (:meth:`_Runs.copy`). One-rank runs
+#: first, so that they pair up on two cores.
 VALIDATION_RUNS = (
     *(("sequence_mean", layout) for layout in EVAL_LAYOUTS if EVAL_LAYOUTS[layout][0] == 1),
-    ("stock", "mb1"),
     *(("sequence_mean", layout) for layout in EVAL_LAYOUTS if EVAL_LAYOUTS[layout][0] > 1),
 )
 
@@ -425,6 +440,7 @@ def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str, repo
     launches = [_validation_launch(lm_runs, checkout, run[1], run[0]) for run in VALIDATION_RUNS]
     results = run_pretrain_gpts(launches, timeout=3000)  # side by side where the cores allow
     got = {run: _validation_losses(r) for run, r in zip(VALIDATION_RUNS, results, strict=True)}
+    got["stock", "mb1"] = _validation_losses(lm_runs.initial[checkout, "dense"])
     report_figure(f"Megatron-LM {checkout} validation losses: {got}")
     reference = got["sequence_mean", "mb1"]
     for layout in EVAL_LAYOUTS:

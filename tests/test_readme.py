@@ -361,3 +361,20 @@ def test_audit_table_is_what_the_audit_measures(readme_runs):
                 assert stated / 1.5 <= measured <= stated * 1.5, (layout, stated, measured)
             else:
                 assert float(printed) <= 1e-5 and measured <= 1e-5, (mode, layout, measured)
+
+
+@pytest.mark.e2e
+def test_audit_entry_point_writes_what_the_readme_says(readme_runs):
+    """``python -m megatron_lossfix audit`` end to end, as the README runs it: in its own rank
+    pool, progress lines on stderr (not a terminal here), and what the README says it writes,
+    ``audit-out/audit.json`` and, with matplotlib (a test extra), ``audit-out/audit.png``."""
+    command = next(c for c in COMMANDS if "-m megatron_lossfix audit" in c)
+    proc = readme_runs["runs"][command]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "audit [" in proc.stderr, proc.stderr[-3000:]
+    out = readme_runs["copy"] / "audit-out"
+    report = json.loads((out / "audit.json").read_text())
+    assert report["passed"] is True
+    assert [layout["name"] for layout in report["layouts"]] == list(BRIEF_LAYOUTS)
+    assert all(report["errors"]["off"][layout] > 1e-3 for layout in BRIEF_LAYOUTS)
+    assert (out / "audit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -41,6 +41,7 @@ __all__ = [
     "checkout_null_tokenizer_eod",
     "megatron_lm_env",
     "patched_copy",
+    "reuse_installed_helpers",
     "run_pretrain_gpt",
     "run_pretrain_gpts",
     "run_side_by_side",
@@ -140,9 +141,10 @@ def tiny_gpt_args(
 
 def save_initial_checkpoint(
     megatron_lm_path: str | os.PathLike, args: Sequence[str], dest: str | os.PathLike
-) -> list[str]:
+) -> tuple[list[str], RunResult]:
     """Save the initial weights of the one-rank model of ``args`` to ``dest`` (one iteration at
-    learning rate 0); returns the flags that make another run start from them.
+    learning rate 0); returns the flags that make another run start from them, and the run's
+    result (what else ``args`` asks of it, an evaluation say, is in its log).
 
     Megatron-LM seeds each pipeline stage differently (seed + 100 x stage), so a PP2 run would
     otherwise train other initial weights than PP1. Its torch_dist checkpoints reshard on load,
@@ -151,11 +153,33 @@ def save_initial_checkpoint(
     args = list(args)
     for flag, value in (("--train-iters", "1"), ("--lr", "0")):
         args[args.index(flag) + 1] = value
-    args += ["--min-lr", "0", "--save", str(dest), "--save-interval", "1"]
+    if "--min-lr" not in args:
+        args += ["--min-lr", "0"]
+    args += ["--save", str(dest), "--save-interval", "1"]
     result = run_pretrain_gpt(megatron_lm_path, args, nproc=1)
     if result.returncode != 0:
         raise RuntimeError(f"saving the initial checkpoint failed:\n{result.output[-4000:]}")
-    return ["--load", str(dest), "--finetune", "--no-load-optim", "--no-load-rng"]
+    return ["--load", str(dest), "--finetune", "--no-load-optim", "--no-load-rng"], result
+
+
+def reuse_installed_helpers(megatron_lm_path: str | os.PathLike) -> bool:
+    """Put the installed megatron-core's compiled dataset helpers into a Megatron-LM tree whose
+    ``helpers.cpp`` is the same file, so that the ``make`` its first run calls has nothing to do
+    (compiling them costs about 15 s of CPU per tree); whether it did. A tree with other helpers
+    (``main``, another release) keeps compiling its own."""
+    import filecmp
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("megatron.core.datasets.helpers_cpp")
+    tree = Path(megatron_lm_path) / "megatron" / "core" / "datasets"
+    if spec is None or spec.origin is None or not (tree / "helpers.cpp").is_file():
+        return False
+    installed = Path(spec.origin)
+    if not filecmp.cmp(installed.parent / "helpers.cpp", tree / "helpers.cpp", shallow=False):
+        return False
+    shutil.copyfile(installed, tree / installed.name)  # a new file: newer than helpers.cpp
+    return True
 
 
 def patched_copy(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
