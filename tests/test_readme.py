@@ -71,6 +71,15 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "installs Megatron Bridge into the reader's environment; CI does it in its 3.12 world",
     ),
     (
+        ".[skyrl]",
+        "installs SkyRL into the reader's environment (its transformers pin conflicts with "
+        "Megatron Bridge's, so CI's 3.12 world does not hold it)",
+    ),
+    (
+        "--stack skyrl",
+        "needs SkyRL: tests/test_skyrl_stack.py runs these audits where it is installed",
+    ),
+    (
         "examples/bridge_pretrain.py",
         "needs Megatron Bridge: tests/test_bridge.py runs these layouts where it is installed",
     ),
