@@ -183,11 +183,12 @@ class LossFixSchedule:
         self._last_step = None  # a refused step leaves no metrics behind
         if self.config.reduction != "off":
             return self._plugin_step(call)
-        if self._inner is None:
+        func = self._inner
+        if func is None:  # asked for each step, as stock code does (it reads parallel_state)
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
-            self._inner = get_forward_backward_func()
-        result = self._inner(**call)  # the caller's own objects, the result unchanged
+            func = get_forward_backward_func()
+        result = func(**call)  # the caller's own objects, the result unchanged
         pg_collection = call.get("pg_collection")
         self._last_step = StepState(
             reduction="off",
