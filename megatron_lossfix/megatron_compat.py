@@ -126,6 +126,16 @@ def resolve_groups(pg_collection: Any = None) -> StepGroups:
     )
 
 
+def model_config_of(chunk: Any) -> tuple[Any, Exception | None]:
+    """The model chunk's config (``get_model_config``), or None and the error reading it."""
+    try:
+        from megatron.core.utils import get_model_config
+
+        return get_model_config(chunk), None
+    except Exception as exc:  # noqa: BLE001 - the caller decides what a missing config means
+        return None, exc
+
+
 def undo_averaging(
     per_token: bool, num_tokens: torch.Tensor, num_microbatches: int, groups: StepGroups
 ) -> torch.Tensor | float:

@@ -417,12 +417,9 @@ class LossFixSchedule:
 def _model_settings(config: LossFixConfig, chunk: Any) -> tuple[Any, Exception | None]:
     """The model's config, or the error reading it raised; settings that are the same on every
     rank and that the plugin cannot serve are refused here, before any collective."""
-    try:
-        from megatron.core.utils import get_model_config
-
-        model_config = get_model_config(chunk)
-    except Exception as exc:  # noqa: BLE001 - the agreement tells every rank
-        return None, exc
+    model_config, error = megatron_compat.model_config_of(chunk)
+    if error is not None:  # the agreement tells every rank
+        return None, error
     if getattr(model_config, "hybrid_context_parallel", False):
         # Megatron 0.19's hybrid CP calls forward_step once per sub-sample.
         raise StepRefused(

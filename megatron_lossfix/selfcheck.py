@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
-from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
+from megatron_lossfix.megatron_compat import StepGroups, model_config_of, resolve_groups
 from megatron_lossfix.reduction import LossFixConfig, group_size
 
 __all__ = ["SelfCheck", "SelfCheckError"]
@@ -39,12 +39,7 @@ class SelfCheck:
         self.checked = True
         model, m, given = call["model"], call["num_microbatches"], call["data_iterator"]
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        try:
-            from megatron.core.utils import get_model_config
-
-            model_config = get_model_config(chunks[0])
-        except Exception:  # noqa: BLE001 - not a Megatron model
-            model_config = None
+        model_config = model_config_of(chunks[0])[0]  # None: not a Megatron model
         reduction = getattr(getattr(schedule, "config", None), "reduction", None)
         reason = _why_not_checkable(reduction, model_config)
         if reason:
