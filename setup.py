@@ -33,8 +33,16 @@ setup(
         # Transformer Engine needs CUDA; it is used when present, never required.
         # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
         "te": ["transformer_engine[pytorch]"],
+        # verl at the release the stack audit and the adapter are measured with; its own
+        # requirements need no GPU. (CI installs it --no-deps with the few its Megatron path
+        # imports: see README, "verl".)
+        "verl": ["verl==0.9.1"],
     },
-    entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
+    entry_points={
+        "console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"],
+        # verl loads its plugins when it is imported; the adapter acts only when switched on.
+        "verl.plugins": ["megatron_lossfix=megatron_lossfix.integrations.verl"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.11",
