@@ -15,6 +15,7 @@ from megatron_lossfix.audit.matrix import (
     parse_layout,
 )
 from megatron_lossfix.audit.oracle import OracleCase
+from megatron_lossfix.audit.stacks import STACKS, load_stack
 from megatron_lossfix.config import MODES
 
 __all__ = [
@@ -34,6 +35,9 @@ AuditLayout = MatrixLayout
 DEFAULT_LAYOUTS = AUDIT_LAYOUTS
 
 TOLERANCE = 1e-5
+
+#: Experts per layer of the MoE model that EP layouts run (divisible by every EP size allowed).
+MOE_EXPERTS = 4
 
 #: ``build_tiny_gpt`` arguments of each ``--model-size``.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -57,6 +61,9 @@ class AuditOptions:
     per_token_loss: bool = False
     tolerance: float = TOLERANCE
     timeout_s: float = 300.0
+    stack: str | None = None
+    """An RL framework whose own loss path is audited (``--stack``); its modes are then the
+    framework's names."""
 
     def case(self, layout: AuditLayout) -> OracleCase:
         """The oracle's model and data for ``layout``."""
@@ -69,6 +76,8 @@ class AuditOptions:
         # (docs/design.md §7): CP layouts use the same model with attention replaced by identity.
         if layout.cp > 1:
             model["no_attention"] = True
+        if layout.ep > 1:
+            model["num_experts"] = MOE_EXPERTS
         return OracleCase(
             global_batch_size=self.global_batch_size,
             seq_length=self.seq_length,
@@ -80,6 +89,10 @@ class AuditOptions:
 
 def validate_options(opts: AuditOptions) -> None:
     """Raise ``ValueError``, naming the layout and the flag, for a matrix that cannot run."""
+    allowed = MODES if opts.stack is None else tuple(load_stack(opts.stack).MODES)
+    bad = [m for m in opts.modes if m not in allowed]
+    if bad:
+        raise ValueError(f"--modes: unknown {bad}; choose from {', '.join(allowed)}")
     for lay in opts.layouts:
         if lay.world_size > 8:
             raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks; at most 8")
@@ -103,6 +116,17 @@ def validate_options(opts: AuditOptions) -> None:
             raise ValueError(
                 f"layout {lay.name}: attention heads ({opts.heads}) must divide the hidden size "
                 f"({opts.hidden}) and be divisible by tp={lay.tp}"
+            )
+        if MOE_EXPERTS % lay.ep:
+            raise ValueError(f"layout {lay.name}: ep must divide the {MOE_EXPERTS} experts")
+        if lay.ep > 1 and lay.tp > 1:
+            # Megatron requires sequence parallelism for MoE with TP, which needs Apex/TE.
+            raise ValueError(f"layout {lay.name}: ep with tp > 1 needs Transformer Engine")
+        if opts.stack and (opts.global_batch_size // lay.dp) % lay.num_microbatches:
+            raise ValueError(
+                f"layout {lay.name}: --stack cuts each DP rank's "
+                f"{opts.global_batch_size // lay.dp} sequences into micro-batches of one size; "
+                f"m{lay.num_microbatches} must divide that number"
             )
         if opts.seq_length % (2 * lay.cp):
             raise ValueError(f"layout {lay.name}: --seq-length must be divisible by 2 x cp")
@@ -150,17 +174,25 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
     """What to check and where the files go."""
     parser.add_argument(
         "--modes",
-        type=_csv(MODES),
-        default=MODES,
+        type=_csv(None),
         help=f"comma-separated reduction modes to check (default: all: {','.join(MODES)}); "
-        "`off` is stock Megatron, the baseline, allowed to miss",
+        "`off` is stock Megatron, the baseline, allowed to miss. With --stack, the framework's "
+        "own loss modes (default: all that have a counterpart here)",
+    )
+    parser.add_argument(
+        "--stack",
+        choices=sorted(STACKS),
+        help="audit that RL framework's own Megatron loss path instead: rows NAME (as released, "
+        "allowed to miss) and NAME+lossfix (through megatron_lossfix's adapter); needs "
+        "pip install megatron_lossfix[NAME]",
     )
     parser.add_argument(
         "--layouts",
         type=_layouts,
         default=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS),
         help=f"comma-separated layouts (default: {','.join(DEFAULT_LAYOUTS)}). A layout joins "
-        "tp<N>, pp<N>, vpp<N>, cp<N>, dp<N> and m<N> (micro-batches per DP rank, required) "
+        "tp<N>, pp<N>, vpp<N>, cp<N>, ep<N>, dp<N> and m<N> (micro-batches per DP rank, "
+        "required) "
         f"with '-', at most 8 ranks; e.g. {', '.join(LAYOUT_PRESETS)}. CP layouts replace "
         "attention by identity (no Transformer Engine on CPU)",
     )
@@ -232,8 +264,11 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> AuditOptions:
     """The run's options from parsed flags (model size first, explicit sizes override it)."""
     size = MODEL_SIZES[args.model_size]
+    modes = args.modes
+    if modes is None:
+        modes = MODES if args.stack is None else tuple(load_stack(args.stack).MODES)
     return AuditOptions(
-        modes=tuple(args.modes),
+        modes=tuple(modes),
         layouts=tuple(args.layouts),
         num_layers=args.num_layers or size["num_layers"],
         hidden=args.hidden_size or size["hidden"],
@@ -244,4 +279,5 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
         per_token_loss=args.per_token_loss,
         tolerance=args.tolerance,
         timeout_s=args.timeout,
+        stack=args.stack,
     )

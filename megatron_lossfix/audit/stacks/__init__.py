@@ -1,0 +1,47 @@
+"""Stack audits: an RL framework's own Megatron loss path under the audit's layouts
+(``python -m megatron_lossfix audit --stack NAME``).
+
+A stack runs the framework's released code for one training step (its loss aggregation, its
+micro-batch post-processing, its token count, the Megatron schedule call it makes) on the
+audit's tiny GPT, once as released and once through this project's adapter, and compares each
+full gradient with the one-rank, one-micro-batch reference. ``STACKS`` maps each stack's name to
+a function importing its module: the framework is imported only when its stack runs.
+
+A stack module provides:
+
+* ``MODES``: ``{framework mode name: StackMode}`` (``stacks.modes``), the framework's loss
+  aggregation modes that have a counterpart among the plugin's;
+* ``DISTRIBUTION``: the framework's package name (``importlib.metadata``), to say what is
+  missing;
+* ``run_stack(opts, options, *, pool, progress) -> AuditReport`` (``options``: the run's
+  settings for ``audit.json``): the rows ``NAME`` (as released)
+  and ``NAME+lossfix`` (through the adapter), worst mode per layout, plus one row per mode
+  (``NAME:mode``, ``NAME+lossfix:mode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+__all__ = ["STACKS", "load_stack"]
+
+
+def _verl() -> ModuleType:
+    from megatron_lossfix.audit.stacks import verl
+
+    return verl
+
+
+#: Stack name -> a function returning the module that runs it.
+STACKS: dict[str, Callable[[], ModuleType]] = {
+    "verl": _verl,
+}
+
+
+def load_stack(name: str) -> ModuleType:
+    """The stack's module (it imports the framework only when run); ``ValueError`` naming the
+    choices for an unknown name."""
+    if name not in STACKS:
+        raise ValueError(f"unknown stack {name!r}; choose from {', '.join(sorted(STACKS))}")
+    return STACKS[name]()
