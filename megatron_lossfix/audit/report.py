@@ -255,7 +255,7 @@ def _draw_bars(ax: Any, report: AuditReport, floor: float, palette: Sequence[Any
     # No red or grey among the modes: red marks misses, grey is the stock baseline.
     colors = [palette[k] for k in (0, 1, 2, 4, 5, 9, 6, 8)]
     width = 0.8 / len(modes)
-    plugin_modes = [m for m in modes if m != "off"]
+    plugin_modes = [m for m in modes if m not in report.baselines]
     for i, mode in enumerate(modes):
         xs, hs, edge = [], [], []
         for j, name in enumerate(names):
@@ -266,10 +266,12 @@ def _draw_bars(ax: Any, report: AuditReport, floor: float, palette: Sequence[Any
             xs.append(x)
             # Bars start at the floor; their top is the error itself.
             hs.append(max(err, floor) - floor)
-            edge.append("red" if mode != "off" and not passed[(mode, name)] else "none")
+            edge.append(
+                "red" if mode not in report.baselines and not passed[(mode, name)] else "none"
+            )
             if err == 0:
                 ax.text(x, floor * 1.5, "0", ha="center", va="bottom", fontsize=8)
-        stock = mode == "off"
+        stock = mode in report.baselines
         ax.bar(
             xs,
             hs,
