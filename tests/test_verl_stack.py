@@ -80,6 +80,59 @@ def test_stack_modes_are_the_frameworks_names(capsys):
     assert "choose from token-mean" in capsys.readouterr().err
 
 
+@needs_verl
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_verls_policy_and_kl_terms_keep_their_meaning_under_the_weights(mode):
+    """verl's own clipped policy loss plus its KL term, aggregated through the adapter's weights,
+    equal what verl computes for the whole batch on one rank; the weights must matter."""
+    import torch
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import ActorConfig
+
+    from megatron_lossfix import loss_weights
+
+    gen = torch.Generator().manual_seed(0)
+    b, t = 6, 10
+    mask = (torch.rand(b, t, generator=gen) > 0.3).float()
+    mask[2] = 0  # an empty sequence: verl's seq-means still count it
+    old = -2 + 0.3 * torch.randn(b, t, generator=gen)
+    new = old + 0.3 * torch.randn(b, t, generator=gen)  # ratios on both sides of the clip range
+    ref = old + 0.3 * torch.randn(b, t, generator=gen)
+    adv = torch.randn(b, 1, generator=gen).expand(b, t)
+    config = ActorConfig(
+        strategy="megatron", ppo_mini_batch_size=b, ppo_micro_batch_size_per_gpu=b, rollout_n=1
+    )
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=mask.sum(), global_batch_size=b)
+
+    def objective():
+        pg, _ = core_algos.compute_policy_loss_vanilla(
+            old_log_prob=old,
+            log_prob=new,
+            advantages=adv,
+            response_mask=mask,
+            loss_agg_mode=mode,
+            config=config,
+        )
+        kld = core_algos.kl_penalty(logprob=new, ref_logprob=ref, kl_penalty="low_var_kl")
+        kl = core_algos.agg_loss(
+            loss_mat=kld, loss_mask=mask, loss_agg_mode=mode, **config.global_batch_info
+        )
+        return pg + 0.1 * kl
+
+    stock = objective()
+    fix = adapter.lossfix_config(mode)
+    weights = loss_weights([mask], fix.reduction, norm_constant=fix.norm_constant)[0]
+    if mode in adapter.DIVIDES_BY_BATCH_SIZE:
+        weights = weights * (mask.sum(-1) > 0).sum() / b
+    with adapter._weighted_agg_loss(weights):
+        weighted = objective()
+    torch.testing.assert_close(weighted, stock, rtol=1e-6, atol=0)
+    # The swap is what carries the normalization: the bare mask as weights gives plain sums.
+    with adapter._weighted_agg_loss(mask):
+        assert not torch.isclose(objective(), stock)
+
+
 # ------------------------------------------------------------------------------ stack audits
 
 #: verl's per-token path (``calculate_per_token_loss``, what Megatron Bridge turns on at CP > 1)
