@@ -74,6 +74,20 @@ def test_ep_layouts_parse_and_need_a_divisible_dp():
 
 
 @pytest.mark.unit
+def test_stack_defaults_are_its_modes_and_measured_layouts():
+    import argparse
+
+    from megatron_lossfix.audit.options import add_audit_args, options_from_args
+    from megatron_lossfix.audit.stacks import verl as stack
+
+    args = add_audit_args(argparse.ArgumentParser()).parse_args(["--stack", "verl"])
+    opts = options_from_args(args)
+    assert opts.modes == tuple(adapter.VERL_MODES)
+    assert tuple(lay.name for lay in opts.layouts) == stack.LAYOUTS
+    assert any(lay.ep > 1 for lay in opts.layouts) and any(lay.cp > 1 for lay in opts.layouts)
+
+
+@pytest.mark.unit
 def test_stack_modes_are_the_frameworks_names(capsys):
     with pytest.raises(SystemExit):
         main(["--stack", "verl", "--modes", "token_mean", "--layouts", "dp2-m3"])

@@ -162,7 +162,12 @@ def _require_stack(name: str) -> None:
     try:
         version(distribution)
     except PackageNotFoundError:
-        sys.exit(f"--stack {name} needs {distribution}: pip install 'megatron_lossfix[{name}]'")
+        # 2, as for a bad flag: 1 means an adapted row missed.
+        print(
+            f"--stack {name} needs {distribution}: pip install 'megatron_lossfix[{name}]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 # Harmless on CPU and repeated by every rank (docs/design.md §7); they would bury the progress

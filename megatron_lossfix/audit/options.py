@@ -189,8 +189,9 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--layouts",
         type=_layouts,
-        default=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS),
-        help=f"comma-separated layouts (default: {','.join(DEFAULT_LAYOUTS)}). A layout joins "
+        # None: the audit's defaults, or with --stack that stack's own (its LAYOUTS).
+        help=f"comma-separated layouts (default: {','.join(DEFAULT_LAYOUTS)}; with --stack, "
+        "the layouts the stack was measured on). A layout joins "
         "tp<N>, pp<N>, vpp<N>, cp<N>, ep<N>, dp<N> and m<N> (micro-batches per DP rank, "
         "required) "
         f"with '-', at most 8 ranks; e.g. {', '.join(LAYOUT_PRESETS)}. CP layouts replace "
@@ -267,9 +268,13 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
     modes = args.modes
     if modes is None:
         modes = MODES if args.stack is None else tuple(load_stack(args.stack).MODES)
+    layouts = args.layouts
+    if layouts is None:
+        names = DEFAULT_LAYOUTS if args.stack is None else load_stack(args.stack).LAYOUTS
+        layouts = tuple(parse_layout(n) for n in names)
     return AuditOptions(
         modes=tuple(modes),
-        layouts=tuple(args.layouts),
+        layouts=tuple(layouts),
         num_layers=args.num_layers or size["num_layers"],
         hidden=args.hidden_size or size["hidden"],
         heads=args.num_attention_heads or size["heads"],

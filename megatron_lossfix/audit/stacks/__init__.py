@@ -11,6 +11,7 @@ A stack module provides:
 
 * ``MODES``: ``{framework mode name: StackMode}`` (``stacks.modes``), the framework's loss
   aggregation modes that have a counterpart among the plugin's;
+* ``LAYOUTS``: the layouts it runs without ``--layouts``;
 * ``DISTRIBUTION``: the framework's package name (``importlib.metadata``), to say what is
   missing;
 * ``run_stack(opts, options, *, pool, progress) -> AuditReport`` (``options``: the run's

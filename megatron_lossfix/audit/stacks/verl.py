@@ -40,7 +40,7 @@ from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, relativ
 from megatron_lossfix.audit.report import AuditReport, Progress
 from megatron_lossfix.audit.stacks.modes import StackMode
 
-__all__ = ["DISTRIBUTION", "MODES", "layout_grads", "run_stack"]
+__all__ = ["DISTRIBUTION", "LAYOUTS", "MODES", "layout_grads", "run_stack"]
 
 DISTRIBUTION = "verl"
 
@@ -62,6 +62,9 @@ def _stack_modes() -> dict[str, StackMode]:
 #: ``seq-mean-token-sum-norm`` constant is verl's ``loss_scale_factor``, which the audit sets to
 #: the case's ``norm_constant``.
 MODES: dict[str, StackMode] = _stack_modes()
+
+#: ``--stack verl`` without ``--layouts``: DP, PP, CP, TP and an EP2 MoE layout (the README's).
+LAYOUTS = ("dp2-m3", "pp2-m4", "cp2-m3", "tp2-m3", "dp2-ep2-m3")
 
 ROW = "verl"
 ADAPTED_ROW = "verl+lossfix"
