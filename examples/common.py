@@ -34,7 +34,7 @@ from byte_data import ByteTokenizer, DataStats
 from usage import ExampleArgumentParser, UsageError, exit_before_startup, print_error
 
 import megatron_lossfix
-from megatron_lossfix import LossFixConfig, LossFixSchedule
+from megatron_lossfix import LossFixConfig, LossFixSchedule, SelfCheckError
 from megatron_lossfix.args import (
     add_lossfix_args,
     finite_float,
@@ -46,7 +46,7 @@ from megatron_lossfix.args import (
 from megatron_lossfix.audit import training
 from megatron_lossfix.audit.training import Layout, init_layout
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
-from megatron_lossfix.selfcheck import SelfCheckError, with_self_check
+from megatron_lossfix.schedule import ProblemOnAnotherRank
 
 __all__ = [
     "ExampleArgumentParser",
@@ -90,7 +90,7 @@ def one_line_errors(prog: str) -> Iterator[None]:
         rank = dist.get_rank()
         # Raised on every rank at once: the self-check verdict is all-reduced, and the plugin's
         # "problem on another rank" points at the rank that prints its own error.
-        shared = isinstance(exc, SelfCheckError) or type(exc).__name__ == "ProblemOnAnotherRank"
+        shared = isinstance(exc, (SelfCheckError, ProblemOnAnotherRank))
         if rank == 0:
             print_error(prog, _describe(exc))
         elif not shared:
@@ -466,7 +466,7 @@ class ExampleRun:
     chunks: list
     model_config: Any
     optimizer: Any
-    schedule: Any  # LossFixSchedule, or SelfCheckingSchedule around it
+    schedule: LossFixSchedule
     rank0: bool
     device: torch.device
     _out: IO[str] | None = field(default=None, repr=False)
@@ -512,8 +512,9 @@ class ExampleRun:
             chunks=chunks,
             model_config=model_config,
             optimizer=optimizer,
-            # --lossfix-self-check re-splits the first step and fails loudly on a mismatch.
-            schedule=with_self_check(LossFixSchedule(config), args),
+            # --lossfix-self-check (config.self_check) re-splits the first step and fails
+            # loudly on a mismatch.
+            schedule=LossFixSchedule(config),
             rank0=rank0,
             # Where the model lives (tiny_gpt moves it to the GPU on NCCL runs).
             device=torch.device("cuda", torch.cuda.current_device())

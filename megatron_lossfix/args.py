@@ -18,9 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.config import MODES, LossFixConfig
+from megatron_lossfix.reduction import MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.selfcheck import with_self_check
 
 __all__ = [
     "add_lossfix_args",
@@ -131,8 +130,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             help="at the first training step, re-run the same data split into different "
             "micro-batches and raise if the gradient changes (catches loss functions that "
             "normalize twice or ignore the plugin's weights); costs one or two extra "
-            "forward/backward passes once. Needs --loss-reduction. Wire it with "
-            "megatron_lossfix.selfcheck.with_self_check(schedule, args).",
+            "forward/backward passes once. Needs --loss-reduction.",
         ),
     ),
     (
@@ -186,9 +184,12 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     """
     reduction = getattr(args, "loss_reduction", None)
     norm_constant = getattr(args, "loss_norm_constant", None)
+    self_check = getattr(args, "lossfix_self_check", False)
     if reduction is None:
         if norm_constant is not None:
             raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
+        if self_check:
+            raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
         return None
     # Every other check is LossFixConfig's own: the flags and the Python API refuse alike.
     return LossFixConfig(
@@ -196,6 +197,8 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
         norm_constant=norm_constant,
         validate=not getattr(args, "lossfix_no_validate", False),
         check_finite=getattr(args, "lossfix_check_finite", False),
+        self_check=self_check,
+        self_check_tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5),
     )
 
 
@@ -210,13 +213,11 @@ def schedule_from_args(
     A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
     ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
     ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
-    ``--lossfix-self-check`` it is wrapped in the runtime self-check
-    (:func:`megatron_lossfix.selfcheck.with_self_check`), which prints one line with the
-    measured gradient change when the first step passes, and raises when it does not.
+    ``--lossfix-self-check`` its first training step is checked (``LossFixConfig.self_check``):
+    one line with the measured gradient change when it passes, ``SelfCheckError`` when not.
 
     Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.
     """
     config = from_args(args) or LossFixConfig(reduction="off")
-    schedule = LossFixSchedule(config, forward_backward_func, pg_collection=pg_collection)
-    return with_self_check(schedule, args)
+    return LossFixSchedule(config, forward_backward_func, pg_collection=pg_collection)

@@ -1,18 +1,31 @@
-"""Loss functions with Tinker semantics: plain weighted sums of per-token losses.
+"""Losses with Tinker semantics: plain weighted sums of per-token losses, and their weights.
 
 Megatron's pipeline schedule calls ``loss_func(output_tensor)``; bind the micro-batch's weights
 first: ``partial(weighted_loss, batch.get("loss_weights", batch["loss_mask"]))`` (under ``off``
 no weights come in, and the mask is stock's weight). The weights already hold the step's
-normalization, so every function here returns ``sum(w * l)``, never a mean.
+normalization, so every function here returns ``sum(w * l)``, never a mean. A loop that does
+not use ``LossFixSchedule`` builds the weights itself with :func:`loss_weights`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["weighted_loss", "weighted_sum"]
+from megatron_lossfix.reduction import (
+    REDUCTIONS,
+    bad_mask_message,
+    bad_mask_values,
+    check_mode,
+    count_tokens,
+    float_masks,
+    weights_from_counts,
+)
+
+__all__ = ["loss_weights", "weighted_loss", "weighted_sum"]
 
 
 def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -42,3 +55,29 @@ def weighted_loss(
     loss = weighted_sum(output_tensor, weights)
     num_tokens = (weights != 0).sum(dtype=torch.int)
     return loss, num_tokens, {}
+
+
+def loss_weights(
+    loss_masks: Sequence[torch.Tensor],
+    reduction: str,
+    *,
+    norm_constant: float | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
+    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`).
+
+    ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
+    ``cp_group``; ``dp_group``: data-parallel group without CP. Returns float32 tensors of the
+    masks' shapes; with both groups None nothing is communicated. Raises ``ValueError`` for an
+    unknown mode, a missing or bad ``norm_constant``, or a malformed mask.
+    """
+    check_mode(reduction, norm_constant, REDUCTIONS)
+    masks = float_masks(loss_masks)
+    bad = bad_mask_values(masks)
+    if bool(bad.any()):
+        raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
+    global_counts = reduction in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+    counts = count_tokens(masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group)
+    return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)

@@ -1,25 +1,19 @@
-"""Every Megatron-Core call whose signature or meaning differs between releases, in one place.
+"""What Megatron-Core does to a loss, and what differs between its releases, in one place.
 
-Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.12). What moved:
+Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.12).
 
-* ``get_batch_on_this_cp_rank``: from 0.18 ``is_hybrid_cp`` is required and ``cp_group=None``
-  no longer means the context-parallel group (it falls back to the world group), so a CP x DP
-  layout silently gets the wrong slice. :func:`slice_batch_for_cp` always passes the group.
+* Averaging (docs/design.md §1): the factors that undo it, :func:`undo_averaging` for the main
+  loss and :func:`undo_mtp_averaging` for MTP (pinned per release by
+  ``tests/test_megatron_averaging.py``); :func:`unreduced_gradients`, the structure that must
+  reduce a step's gradients across data-parallel ranks.
+* ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
+  ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
-  picks the schedule from the pipeline group and model chunks instead of global state.
-* the process groups: :func:`resolve_groups` takes them from the call's
-  ``ProcessGroupCollection`` (newer releases pass one) and falls back to ``parallel_state``.
-* ``NullTokenizer``: its EOD id is ``vocab_size`` up to 0.17 and ``vocab_size - 1`` from 0.18;
-  :func:`null_tokenizer_eod` asks the installed class.
+  passes the sizes every release accepts.
+* Process groups: :func:`resolve_groups` takes them from the call's ``ProcessGroupCollection``,
+  else from ``parallel_state``.
 
-Also here, because the math layer (``reduction``, ``losses``, ...) never imports Megatron: the
-step's process groups (:func:`resolve_groups`) and the factors that undo Megatron's averaging
-of a loss (:func:`undo_averaging`, :func:`undo_mtp_averaging`), which the suite pins per
-release (``tests/test_megatron_averaging.py``).
-
-Megatron is imported inside the functions, so importing this module stays cheap. A release
-outside the tested range warns once (:func:`warn_if_untested`) and names the command that
-verifies it: Megatron's averaging, which the plugin undoes, is pinned per release by the suite.
+Megatron is imported inside the functions. A release outside :data:`TESTED_RANGE` warns once.
 """
 
 from __future__ import annotations
@@ -38,20 +32,6 @@ from packaging.version import Version
 
 from megatron_lossfix.reduction import group_size
 
-__all__ = [
-    "TESTED_RANGE",
-    "StepGroups",
-    "group_size",
-    "undo_averaging",
-    "undo_mtp_averaging",
-    "megatron_core_version",
-    "null_tokenizer_eod",
-    "resolve_groups",
-    "schedule_for",
-    "slice_batch_for_cp",
-    "warn_if_untested",
-]
-
 #: The megatron-core releases the suite proves, as ``(lowest, first untested)``.
 TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.20.0"))
 
@@ -61,8 +41,7 @@ def megatron_core_version() -> Version:
     """The installed megatron-core release (from its metadata, else from the source tree)."""
     try:
         return Version(metadata.version("megatron-core"))
-    except metadata.PackageNotFoundError:
-        # A Megatron-LM checkout on PYTHONPATH carries no distribution metadata.
+    except metadata.PackageNotFoundError:  # a Megatron-LM checkout on PYTHONPATH
         from megatron.core import package_info
 
         return Version(package_info.__version__)
@@ -87,16 +66,22 @@ def warn_if_untested() -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StepGroups:
-    """The process groups the plugin needs, taken from Megatron's ``ProcessGroupCollection``."""
+    """The process groups of a step (None: no such parallelism or not initialized)."""
 
     dp: dist.ProcessGroup | None
-    """Data-parallel group without context parallelism: sequence and token counts."""
+    """Data-parallel group without context parallelism (D)."""
     cp: dist.ProcessGroup | None
     """Context-parallel group: per-sequence counts of CP-sharded data."""
     dp_cp: dist.ProcessGroup | None
-    """Data x context-parallel group: the step's counts, checks and reported loss."""
+    """Data x context-parallel group: the step's counts, checks and metrics."""
     pp: dist.ProcessGroup | None
-    """Pipeline group: finding the last (loss) stage, the verdict and metrics for every stage."""
+    """Pipeline group: the last (loss) stage, the verdict and metrics for every stage."""
+    tp: dist.ProcessGroup | None = None
+    """Tensor-parallel group (self-check)."""
+    mp: dist.ProcessGroup | None = None
+    """TP x PP (self-check: norms of dense parameters)."""
+    expert_mp: dist.ProcessGroup | None = None
+    """Expert TP x EP x PP (self-check: norms of expert parameters)."""
 
     @property
     def dp_size(self) -> int:
@@ -117,6 +102,28 @@ class StepGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp is None or dist.get_rank(self.pp) == group_size(self.pp) - 1
+
+
+def resolve_groups(pg_collection: Any = None) -> StepGroups:
+    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state
+    (the self-check's model-parallel groups only where it is initialized)."""
+    from megatron.core import parallel_state as ps
+
+    def pick(name: str, fallback: Callable[[], Any], optional: bool = False) -> Any:
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is not None or (optional and not ps.model_parallel_is_initialized()):
+            return group
+        return fallback()
+
+    return StepGroups(
+        dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
+        cp=pick("cp", ps.get_context_parallel_group),
+        dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        pp=pick("pp", ps.get_pipeline_model_parallel_group),
+        tp=pick("tp", ps.get_tensor_model_parallel_group, True),
+        mp=pick("mp", ps.get_model_parallel_group, True),
+        expert_mp=pick("tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group, True),
+    )
 
 
 def undo_averaging(
@@ -141,29 +148,40 @@ def undo_mtp_averaging(
     return float(num_microbatches * groups.dp_size * groups.cp_size)
 
 
-def resolve_groups(pg_collection: Any = None) -> StepGroups:
-    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state."""
-    from megatron.core import parallel_state as ps
+def unreduced_gradients(chunks: list, model_config: Any, groups: StepGroups) -> str | None:
+    """Why this step's gradients would not be summed across data x context-parallel ranks
+    (each would silently train on its own share of the plugin's global weights), or None:
+    Megatron DDP/FSDP must hold them and ``finalize_model_grads_func`` must reduce them."""
+    if groups.dp_cp_size <= 1:
+        return None
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
-    def pick(name: str, fallback: Callable[[], Any]) -> Any:
-        group = getattr(pg_collection, name, None) if pg_collection is not None else None
-        return group if group is not None else fallback()
-
-    return StepGroups(
-        dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
-        cp=pick("cp", ps.get_context_parallel_group),
-        dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
-        pp=pick("pp", ps.get_pipeline_model_parallel_group),
+    fixes = []
+    if not all(isinstance(chunk, _BaseDataParallel) for chunk in chunks):
+        kinds = sorted({type(chunk).__name__ for chunk in chunks})
+        fixes.append(
+            f"wrap the model (here {', '.join(kinds)}) in "
+            "megatron.core.distributed.DistributedDataParallel (or FullyShardedDataParallel)"
+        )
+    if getattr(model_config, "finalize_model_grads_func", None) is None:
+        fixes.append(
+            "set config.finalize_model_grads_func = finalize_model_grads (from "
+            "megatron.core.distributed)"
+        )
+    if not fixes:
+        return None
+    return (
+        f"data-parallel x context-parallel size is {groups.dp_cp_size}, but the gradients "
+        "would not be reduced across those ranks (each would train on its own share); "
+        + " and ".join(fixes)
     )
 
 
 def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) -> dict:
     """This context-parallel rank's share of ``batch``, sliced as Megatron slices tokens.
 
-    Calls Megatron's ``get_batch_on_this_cp_rank`` with the CP group passed explicitly (from 0.18
-    its ``None`` default means the world group). Tensors that must line up token by token (the
-    loss weights, the mask, the labels) have to be sliced in one call: with ``cu_seqlens`` in the
-    batch, 0.18+ partitions packed documents by index rather than by the zigzag chunks.
+    Slice every tensor that must line up token by token (weights, mask, labels) in one call:
+    with ``cu_seqlens`` in the batch, 0.18+ partitions packed documents by index.
     """
     if cp_group is None:
         raise ValueError(
@@ -188,23 +206,11 @@ def _get_batch_on_this_cp_rank() -> Callable[..., dict]:
 
 
 def schedule_for(model: Any, pp_group: dist.ProcessGroup | None) -> Callable[..., Any]:
-    """Megatron's ``forward_backward_func`` for this pipeline group and these model chunks.
-
-    Passes the pipeline and virtual-pipeline sizes explicitly rather than letting Megatron read
-    its global parallel state (0.19 added ``schedule_pg_collection`` to the same function; the
-    sizes are the part every release accepts).
-    """
+    """Megatron's ``forward_backward_func`` for this pipeline group and these model chunks,
+    with the (virtual) pipeline sizes passed rather than read from global state."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
+    pp_size = group_size(pp_group)
     chunks = len(model) if isinstance(model, list) else 1
     vp_size = chunks if pp_size > 1 and chunks > 1 else None
     return get_forward_backward_func(pp_size=pp_size, vp_size=vp_size)
-
-
-@functools.cache
-def null_tokenizer_eod(vocab_size: int) -> int:
-    """The EOD id of Megatron's ``NullTokenizer`` for ``--vocab-size vocab_size``."""
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-
-    return int(NullTokenizer(vocab_size).eod)

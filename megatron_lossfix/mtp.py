@@ -1,26 +1,14 @@
-"""Multi-token prediction (MTP) losses under the plugin's reduction.
+"""Multi-token prediction (MTP) losses under the plugin's modes (docs/design.md §3).
 
-Megatron's GPTModel computes each MTP layer's loss inside the model, on the loss stage: per layer
-it rolls the labels and the loss mask one position to the left (``roll_tensor``), takes the
-masked sum of the layer's cross entropy, divides it by the rolled mask's local count (or, in
-per-token mode, rescales it by local counts) and attaches the result to the hidden states through
-``MTPLossAutoScaler``, whose backward scale the schedule sets. Divided by local counts, the MTP
-gradient is the same mean of per-micro-batch means the plugin removes from the main loss.
-
-The plugin normalizes MTP layer ``j`` like the main loss, with the same mode, over that layer's
-rolled masks and their global counts (:func:`megatron_lossfix.reduction.shifted_masks`). While
-the plugin's forward step runs on the loss stage (:func:`active`), the hooks installed here hand
-Megatron, in place of each rolled loss mask, that layer's weights times the factor that undoes
-Megatron's averaging, and a count of 1; what Megatron then attaches is ``scale * sum(w_j * l_j)``
-exactly, after its own scaling. In per-token mode from megatron-core 0.17, ``process_mtp_loss``
-rescales by ``loss_mask.sum() / rolled count``; the hooks let it take its other branch (divide
-by the count, 1). Every other call goes to Megatron unchanged: labels and input ids, ``off``,
-steps outside the plugin.
-
-The hooks count the rolls: a model that rolls a float mask more or less often than it has MTP
-layers in one forward (no ``loss_mask`` passed to the model, a Megatron that changed how it
-computes MTP) is reported through :attr:`MTPStep.problem` and the step refused, never silently
-mis-weighted. Megatron is imported only by :func:`install_hooks`.
+Megatron computes each MTP layer's loss inside the model: it rolls the loss mask one position
+left per layer (``roll_tensor``), divides the masked sum by the rolled mask's local count and
+attaches it with ``MTPLossAutoScaler``: a mean of per-micro-batch means. The plugin normalizes
+layer ``j`` like the main loss, over the masks shifted by ``j`` and their global counts. While
+its forward step runs on the loss stage (:func:`active`), the hooks hand Megatron, in place of
+each rolled mask, that layer's weights times the factor that undoes Megatron's averaging, and
+a count of 1 (from 0.17 ``process_mtp_loss`` is also kept off its per-token rescaling). Every
+other call passes through. A model that rolls a float mask more or less often than it has MTP
+layers is reported in :attr:`MTPStep.problem`, and the step refused.
 """
 
 from __future__ import annotations
@@ -33,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MTPStep", "active", "install_hooks"]
+from megatron_lossfix.megatron_compat import StepGroups, slice_batch_for_cp
+from megatron_lossfix.reduction import LossFixConfig, StepCounts, weights_from_counts
 
 
 @dataclass(slots=True)
@@ -41,8 +30,7 @@ class MTPStep:
     """One step's MTP weights on the loss stage, and what the hooks saw."""
 
     weights: list[list[torch.Tensor]]
-    """``weights[j][k]``: what replaces MTP layer ``j + 1``'s rolled loss mask in micro-batch
-    ``k`` (this rank's context-parallel share; the plugin weights times ``factor``)."""
+    """``weights[j][k]``: what replaces layer ``j + 1``'s rolled mask in micro-batch ``k``."""
     factor: torch.Tensor | float
     """What the weights were multiplied by to undo Megatron's averaging of the MTP loss."""
     scale: float
@@ -54,49 +42,43 @@ class MTPStep:
     layer: int = 0
     """Masks handed out in the running forward pass."""
     problem: str | None = None
-    """Why the step must be refused (the first thing that did not fit), else None."""
+    """The first thing that did not fit (the step is then refused), else None."""
 
     def __post_init__(self) -> None:
         self.contributions = [[] for _ in self.weights]
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.weights)
-
     def next_mask(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weights for the next rolled mask, or None (Megatron's own roll) after noting
-        why they do not fit."""
-        j, k = self.layer, self.microbatch()
-        if j >= self.num_layers:
-            self._fail(
+        """The weights and count for the next rolled mask; None (Megatron's own roll) after
+        noting why they do not fit."""
+        j, k, layers = self.layer, self.microbatch(), len(self.weights)
+        if j >= layers:
+            return self._fail(
                 f"micro-batch {k}: the model rolled a float loss mask more than once per MTP "
-                f"layer ({self.num_layers} layers); megatron-core >= 0.17 does this when the "
-                "model gets no labels, which the plugin's MTP normalization does not cover"
+                f"layer ({layers} layers); megatron-core >= 0.17 does this when the model "
+                "gets no labels, which the plugin's MTP normalization does not cover"
             )
-            return None
         weights = self.weights[j][k]
         if weights.shape != mask.shape:
-            self._fail(
+            return self._fail(
                 f"micro-batch {k}: the loss mask the model rolls for MTP is "
                 f"{tuple(mask.shape)}, the plugin's weights {tuple(weights.shape)}; slice the "
                 "batch for context parallelism with megatron_compat.slice_batch_for_cp"
             )
-            return None
         self.layer += 1
         return weights.to(mask.device), torch.ones((), device=mask.device)
 
     def record(self, attached: torch.Tensor) -> None:
-        """Note layer ``layer``'s attached loss, ``scale * sum(w_j * l_j) * factor``."""
+        """Note the current layer's attached loss, ``scale * sum(w_j * l_j) * factor``."""
         j = self.layer - 1
-        if 0 <= j < self.num_layers and self.scale != 0:
+        if 0 <= j < len(self.weights) and self.scale != 0:
             self.contributions[j].append(attached.detach().sum() / (self.scale * self.factor))
 
     def finish_forward(self) -> None:
         """After one forward pass: every MTP layer must have taken its weights."""
-        if self.layer != self.num_layers and self.problem is None:
+        if self.layer != len(self.weights):
             self._fail(
                 f"micro-batch {self.microbatch()}: the model rolled a float loss mask "
-                f"{self.layer} times for {self.num_layers} MTP layers; pass the loss mask to "
+                f"{self.layer} times for {len(self.weights)} MTP layers; pass the loss mask to "
                 "the model (GPTModel(..., labels=labels, loss_mask=loss_mask)): Megatron "
                 "computes the MTP loss inside the model from it"
             )
@@ -105,6 +87,31 @@ class MTPStep:
     def _fail(self, message: str) -> None:
         if self.problem is None:
             self.problem = message
+
+
+def mtp_step(
+    config: LossFixConfig,
+    layer_masks: list[list[torch.Tensor]],
+    layer_counts: list[StepCounts],
+    factor: torch.Tensor | float,
+    groups: StepGroups,
+    scaling_factor: float,
+    microbatch: Callable[[], int],
+) -> MTPStep:
+    """Each layer's weights: the mode over its shifted masks and global counts, times
+    ``factor`` (``megatron_compat.undo_mtp_averaging``), sliced for context parallelism."""
+    install_hooks()
+    weights = []
+    for masks, counts in zip(layer_masks, layer_counts, strict=True):
+        layer = weights_from_counts(
+            masks, counts, config.reduction, norm_constant=config.norm_constant
+        )
+        layer = [w * factor for w in layer]
+        if groups.cp_size > 1:
+            layer = [slice_batch_for_cp({"w": w}, groups.cp)["w"] for w in layer]
+        weights.append(layer)
+    scale = float(scaling_factor) / len(weights)
+    return MTPStep(weights=weights, factor=factor, scale=scale, microbatch=microbatch)
 
 
 _ACTIVE: MTPStep | None = None
@@ -125,21 +132,14 @@ def active(step: MTPStep | None) -> Iterator[None]:
     step.finish_forward()
 
 
-def _is_mask(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor) and (
-        tensor.is_floating_point() or tensor.dtype == torch.bool
-    )
-
-
 def _hooked_roll(roll: Callable) -> Callable:
     @functools.wraps(roll)
     def roll_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        step = _ACTIVE
-        if step is not None and _is_mask(tensor):
-            replaced = step.next_mask(tensor)
-            if replaced is not None:
-                return replaced
-        return roll(tensor, *args, **kwargs)
+        is_mask = isinstance(tensor, torch.Tensor) and (
+            tensor.is_floating_point() or tensor.dtype == torch.bool
+        )
+        replaced = _ACTIVE.next_mask(tensor) if _ACTIVE is not None and is_mask else None
+        return roll(tensor, *args, **kwargs) if replaced is None else replaced
 
     roll_tensor.__lossfix_original__ = roll
     return roll_tensor
@@ -193,13 +193,8 @@ def _hook(module: Any, name: str, make: Callable[[Any], Any]) -> None:
 
 @functools.cache
 def install_hooks() -> None:
-    """Hook Megatron's MTP loss, where it lives in this release (idempotent).
-
-    megatron-core 0.16 computes it inline in ``gpt_model``; 0.17+ in
-    ``multi_token_prediction.process_mtp_loss``, which ``gpt_model`` imports. The names are
-    replaced in the module that calls them; the hooks pass every call through unless a plugin
-    step is running its forward pass on the loss stage.
-    """
+    """Hook Megatron's MTP loss where this release computes it (idempotent): inline in
+    ``gpt_model`` up to 0.16, in ``multi_token_prediction.process_mtp_loss`` from 0.17."""
     from megatron.core.models.gpt import gpt_model
     from megatron.core.transformer import multi_token_prediction as mtp
 

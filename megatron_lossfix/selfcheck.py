@@ -1,454 +1,380 @@
-"""Runtime self-check: the first step's gradient must not depend on how it is split.
-
-Every plugin mode but ``token_mean_legacy`` gives a gradient that does not depend on how the step
-is cut into micro-batches. ``SelfCheckingSchedule`` wraps a schedule (normally a
-:class:`~megatron_lossfix.LossFixSchedule`) and, on the first step(s):
-
-1. runs the step normally, recording the micro-batches that ``forward_step`` reads from every
-   data iterator (every pipeline stage and model chunk);
-2. snapshots every parameter's ``main_grad`` (``.grad`` without Megatron DDP), and compares
-   it across the data x context-parallel ranks, which must all hold the same reduced gradient
-   (two checksums per dense parameter, one all-reduce; with the distributed optimizer the
-   gathered shards agree by construction, and a missing reduction is the structural guard's
-   to refuse): a loop whose gradients were not reduced, or were rescaled on some ranks,
-   fails here, naming the parameter that differs most;
-3. runs the same data again, split differently: each micro-batch cut in two when the micro-batch
-   size is even (memory-neutral), else groups of micro-batches merged (tensors concatenated along
-   dim 0), else rows dealt to other micro-batches (same count and shapes: also used when
-   ``forward_step`` broadcasts batches over tensor parallelism into fixed-shape buffers, as
-   Megatron-LM's ``get_batch_on_this_tp_rank`` does). The plan depends on ``num_microbatches``,
-   ``micro_batch_size`` and the layout only, so every stage of a pipeline agrees on it;
-4. compares the two gradients (relative L2; squared norms all-reduced over the model-parallel
-   group, and the expert-model-parallel group for experts, as Megatron's grad norm does: DP and
-   CP replicas hold the same reduced gradient, so every rank reaches the same verdict);
-5. puts back the first gradient, the RNG states and the schedule's step record, so that training
-   continues exactly as without the check, and raises ``RuntimeError`` when they differ.
-
-A loss that normalizes by something the split changes -- its own token count on top of the
-plugin's weights (double scaling), the number of micro-batches, the raw mask instead of the
-weights -- changes the gradient under the re-split. A constant factor does not, and is not caught.
-With dropout the comparison runs twice more in eval mode (dropout masks cannot match across
-splits); the kept gradient is still the normal, training-mode one. Costs one or two extra
-forward/backward passes and one gradient copy, once. Skipped with a warning: ``off`` and
-``token_mean_legacy`` (split-dependent by definition), MoE auxiliary/z losses and expert
-capacity (batch-composition dependent by design, docs/design.md §1). MTP losses are normalized
-like the main loss, so they are checked too.
-
-Wire it from flags with :func:`with_self_check` (``--lossfix-self-check``).
-"""
+"""The self-check: the first step's gradient must not move when re-split (docs/design.md, §9)."""
 
 from __future__ import annotations
 
-import argparse
-import math
-import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.dropout import _DropoutNd
 
-from megatron_lossfix.metrics import StepState
-from megatron_lossfix.reduction import group_size
-from megatron_lossfix.resplit import ResplitPlan, resplit
-from megatron_lossfix.selfcheck_model import (
-    agree_flags,
-    broadcasts_batches,
-    check_groups,
-    has_dropout,
-    model_chunks,
-    model_config_of,
-    module_buffers,
-    params_device,
-    plan_resplit,
-    relative_error,
-    replica_spread,
-    restore_grads,
-    rng_state,
-    set_rng_state,
-    snapshot_grads,
-    trainable_params,
-    unshard_distributed_optimizer,
-    why_not_checkable,
-    zero_grads,
-)
+from megatron_lossfix.megatron_compat import StepGroups, resolve_groups
+from megatron_lossfix.reduction import LossFixConfig, group_size
 
-__all__ = ["SelfCheckError", "SelfCheckingSchedule", "with_self_check"]
+__all__ = ["SelfCheck", "SelfCheckError"]
 
 
 class SelfCheckError(RuntimeError):
-    """The gradient changed when the same step was re-split: the loss is normalized twice or
-    not through the plugin's weights."""
+    """The gradient moved under a re-split of the step, or differs across DP x CP replicas."""
 
 
-class _Recorder:
-    """Passes an iterator's items through and keeps (a shallow copy of) each one."""
+class SelfCheck:
+    """The first training step's re-split check of a schedule whose config has ``self_check``."""
 
-    def __init__(self, source: Iterator) -> None:
-        self._source = source
-        self.items: list[Any] = []
+    def __init__(self, config: LossFixConfig) -> None:
+        self.tolerance = config.self_check_tolerance
+        self.checked = False  # the first training step was seen (checked or skipped)
+        self.last_error: float | None = None  # relative L2 change of the gradient (None: none)
+        self.last_plan: tuple | None = None  # (kind, factor, num_microbatches, micro_batch_size)
+        self.last_replica_spread: float | None = None  # relative spread over the DP x CP ranks
 
-    def __iter__(self) -> _Recorder:
-        return self
+    def due(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether this call is the training step to check (the first one)."""
+        return not self.checked and not kwargs.get("forward_only")
 
-    def __next__(self) -> Any:
-        item = next(self._source)
-        # A copy: forward_step may pop keys from the dict it is given.
-        self.items.append(dict(item) if isinstance(item, Mapping) else item)
-        return item
+    def run(self, schedule: Any, step: Callable[..., Any], call: dict) -> Any:
+        """Run the step ``call`` through ``step``, re-run it re-split, compare, put back."""
+        self.checked = True
+        model, m, given = call["model"], call["num_microbatches"], call["data_iterator"]
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        try:
+            from megatron.core.utils import get_model_config
 
-
-@runtime_checkable
-class RecordsSteps(Protocol):
-    """A schedule that keeps a record of its last step (``LossFixSchedule`` and its
-    integrations): the check puts the normal run's record back after its re-runs."""
-
-    @property
-    def last_step(self) -> StepState | None: ...
-
-    def restore_last_step(self, record: StepState | None) -> None: ...
-
-
-@dataclass(kw_only=True, slots=True)
-class _NormalRun:
-    """What the normal run of the checked step left: to compare with, and to put back."""
-
-    call: dict
-    """The step's keyword arguments, as the caller gave them."""
-    chunks: list
-    """The model chunks."""
-    params: list[torch.nn.Parameter]
-    """Their trainable parameters, each once."""
-    recorders: list
-    """Per data iterator, what ``forward_step`` read from it (None: no iterator)."""
-    result: Any
-    """What the schedule returned (handed back to the caller)."""
-    record: StepState | None
-    """The schedule's record of the step (None: the schedule keeps none)."""
-    rng: dict[str, Any]
-    """The RNG states after the step."""
-    buffers: list[torch.Tensor]
-    """Copies of the registered buffers after the step."""
-    grads: list[torch.Tensor | None]
-    """Copies of the gradients after the step (full, not sharded)."""
-
-
-# ------------------------------------------------------------------------------ the wrapper
-
-
-class SelfCheckingSchedule:
-    """``schedule`` (same call signature) that checks split invariance on its first steps.
-
-    Args:
-        schedule: a :class:`~megatron_lossfix.LossFixSchedule` (or any ``forward_backward_func``).
-        tolerance: largest relative L2 change of the gradient (1e-5 suits fp32; with bf16/fp16
-            compute the re-split changes rounding: use about 1e-2).
-        iterations: how many of the first training steps (``forward_only=False``) to check.
-        model_parallel_group, expert_model_parallel_group: where squared norms are summed;
-            default (from ``pg_collection`` or parallel_state) Megatron's model-parallel
-            (TP x PP) and expert-tensor-model-pipeline groups.
-
-    Raises :class:`SelfCheckError` (a ``RuntimeError``) on every rank when the gradient moved,
-    after restoring the normal run's gradient. Skips, with a warning, reductions that depend on
-    the split by definition (``off``, ``token_mean_legacy``) and models whose gradient does
-    (MoE auxiliary losses, token dropping, MTP). Other attributes (``step_metrics``,
-    ``last_step``, ``config``, ...) are the wrapped schedule's.
-    """
-
-    def __init__(
-        self,
-        schedule: Callable[..., Any],
-        *,
-        tolerance: float = 1e-5,
-        iterations: int = 1,
-        model_parallel_group: dist.ProcessGroup | None = None,
-        expert_model_parallel_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        if (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, numbers.Real)
-            or not (math.isfinite(tolerance) and tolerance > 0)
-        ):
-            raise ValueError(
-                "tolerance (--lossfix-self-check-tolerance) must be a finite number > 0, got "
-                f"{tolerance!r}"
-            )
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
-        self.schedule = schedule
-        self.tolerance = float(tolerance)
-        self.iterations = int(iterations)
-        self.checked = 0
-        """Training steps seen by the check so far (checked or skipped)."""
-        self.last_error: float | None = None
-        """The relative gradient change the last check measured (None: none measured)."""
-        self.last_plan: ResplitPlan | None = None
-        """How the last check re-split its step."""
-        self.last_replica_spread: float | None = None
-        """How far the last checked step's gradient differed across data x context-parallel
-        replicas (relative; 0 when they all hold the same reduced gradient)."""
-        self._mp_group = model_parallel_group
-        self._ep_group = expert_model_parallel_group
-
-    def __getattr__(self, name: str) -> Any:
-        # Called only for names not found on the wrapper: the wrapped schedule's API.
-        if name == "schedule":
-            raise AttributeError(name)
-        return getattr(self.schedule, name)
-
-    def __call__(
-        self,
-        *,
-        forward_step_func: Callable,
-        data_iterator: Any,
-        model: Any,
-        num_microbatches: int,
-        **kwargs: Any,
-    ) -> Any:
-        call = dict(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            **kwargs,
-        )
-        if kwargs.get("forward_only") or self.checked >= self.iterations:
-            return self.schedule(**call)
-        self.checked += 1
-        reason = why_not_checkable(self.schedule, model)
+            model_config = get_model_config(chunks[0])
+        except Exception:  # noqa: BLE001 - not a Megatron model
+            model_config = None
+        reduction = getattr(getattr(schedule, "config", None), "reduction", None)
+        reason = _why_not_checkable(reduction, model_config)
         if reason:
-            warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=2)
-            return self.schedule(**call)
-        return self._checked_step(call)
-
-    # -- the check -----------------------------------------------------------------------------
-
-    def _checked_step(self, call: dict) -> Any:
-        normal = self._normal_run(call)
-        groups = check_groups(call.get("pg_collection"), self._mp_group, self._ep_group)
-        device = params_device(normal.params)
-        # 2. The same data, split differently (every rank learns whether any rank can't).
-        # Across ranks: every data x context-parallel replica must hold the same reduced
-        # gradient (a loop that reduces wrongly or not at all differs here).
-        spread, worst = replica_spread(normal.params, normal.grads, groups, device)
-        reads = any(rec is not None and rec.items for rec in normal.recorders)
-        keep_shapes = broadcasts_batches(reads, groups, device)
-        plan = plan_resplit(call, normal.chunks, groups, keep_shapes)
-        items, problem = self._resplit_data(normal.recorders, call["num_microbatches"], plan)
+            warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=3)
+            return step(**call)
+        # 1. The normal step, keeping what forward_step reads from each data iterator.
+        as_list = isinstance(given, list)
+        sources = given if as_list else [given]
+        reads = [None if it is None else [] for it in sources]
+        its = [it if it is None else _recorded(it, r) for it, r in zip(sources, reads, strict=True)]
+        result = step(**{**call, "data_iterator": its if as_list else its[0]})
+        record = schedule.last_step
+        buffers = [b.detach().clone() for b in _buffers(chunks)]
+        _unshard(chunks)
+        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
+        grads = _snapshot(params)
+        groups = resolve_groups(call.get("pg_collection"))
+        device = params[0].device if params else torch.device("cpu")
+        # 2. Every DP x CP replica must hold the same reduced gradient.
+        spread, worst = _replica_spread(params, grads, groups, device)
+        # TP ranks that read data beside ranks that do not: forward_step broadcasts the batch
+        # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
+        tp_reads = _max([float(any(reads)), float(not any(reads))], device, groups.tp)
+        mixed = _max([float(tp_reads.min() > 0)], device, groups.mp, groups.dp_cp)
+        pp = group_size(groups.pp)
+        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
+        group = group if len(chunks) > 1 else None  # interleaved: the count must fit the group
+        plan = resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
+        # 3. The same data re-split; every rank learns whether any rank cannot.
+        items, problem = [], None
+        for c, got in enumerate(reads):
+            try:
+                if got and plan and len(got) != m:
+                    raise ValueError(f"forward_step read {len(got)} micro-batches, not {m}")
+                key = schedule.config.loss_mask_key
+                items.append(resplit(got, plan, mask_key=key) if got and plan else got)
+            except (ValueError, RuntimeError) as exc:  # RuntimeError: torch.cat of odd shapes
+                problem = f"cannot re-split data iterator {c}: {exc}"
+                break
         # The replicas' verdict rides in this all-reduce: every rank of the model hears it.
-        failed, changed, spread_max = agree_flags(
-            [float(problem is not None), float(plan is not None and problem is None), spread],
-            groups,
-            device,
-        )
+        flags = [float(problem is not None), float(plan is not None and problem is None), spread]
+        failed, changed, spread_max = _max(flags, device, groups.mp, groups.dp_cp).tolist()
         self.last_replica_spread = spread_max
         if not spread_max <= self.tolerance:
-            raise SelfCheckError(self._replica_message(spread_max, spread, worst, normal, groups))
+            where = "between the replicas of another model-parallel rank"
+            if worst >= 0 and spread == spread_max:
+                names = {id(p): n for c in chunks for n, p in c.named_parameters()}
+                where = f"most in {names.get(id(params[worst]), 'a parameter')!r}"
+            raise SelfCheckError(
+                f"megatron_lossfix self-check failed: after the first step the gradient differs "
+                f"across the {group_size(groups.dp_cp)} data x context-parallel ranks by "
+                f"{spread_max:.3g} (relative; tolerance {self.tolerance:g}), {where}; those "
+                "ranks must hold the same reduced gradient. The gradients were not reduced "
+                "across data-parallel ranks, or were rescaled on some ranks: set "
+                "config.finalize_model_grads_func = finalize_model_grads "
+                "(megatron.core.distributed), keep the model in DistributedDataParallel, and do "
+                "not reduce or rescale gradients elsewhere."
+            )
         if failed:
-            raise ValueError(
-                "megatron_lossfix self-check: "
-                + (problem or "another rank could not re-split its micro-batches")
-                + "; this data cannot be checked: drop --lossfix-self-check"
-            )
+            problem = problem or "another rank could not re-split its micro-batches"
+            drop = "this data cannot be checked: drop --lossfix-self-check"
+            raise ValueError(f"megatron_lossfix self-check: {problem}; {drop}")
         if not changed:
-            warnings.warn(
-                "megatron_lossfix self-check skipped: no rank can re-split its step (one "
-                "micro-batch of one row)",
-                stacklevel=3,
-            )
-            return normal.result
+            why = "no rank can re-split its step (one micro-batch of one row)"
+            warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=3)
+            return result
         self.last_plan = plan
+
+        def rerun(data: list, plan: tuple | None) -> None:
+            for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
+                if hasattr(chunk, "zero_grad_buffer"):
+                    chunk.zero_grad_buffer()
+                else:
+                    chunk.zero_grad(set_to_none=False)
+            its = [None if d is None else iter(d) for d in data]
+            kwargs = {**call, "data_iterator": its if as_list else its[0]}
+            if plan is not None:
+                kwargs["num_microbatches"] = plan[2]
+                if plan[3] is not None and "micro_batch_size" in call:
+                    kwargs["micro_batch_size"] = plan[3]
+            step(**kwargs)
+            _unshard(chunks)
+
+        # 4. The re-split run against the normal one; with dropout, whose masks cannot match
+        # across splits, against the normal split re-run, both in eval mode.
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        states = tracker.get_states()  # a copy; the tracker replaces (never mutates) its tensors
+        cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        training = [c.training for c in chunks]
+        rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
+        rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
+        dropout = any(training) and any((rate or 0) > 0 for rate in rates)
         try:
-            error = relative_error(normal.params, self._resplit_run(normal, items, plan), groups)
+            with torch.random.fork_rng(cuda, device_type="cuda"):
+                if dropout:
+                    for chunk in chunks:
+                        chunk.eval()
+                    rerun(reads, None)
+                reference = _snapshot(params) if dropout else grads
+                rerun(items, plan)
+            error = _relative_error(params, reference, groups, device)
         finally:
-            self._put_back(normal)
+            # 5. Training goes on from the normal run: its gradient, buffers, RNG, step record.
+            tracker.set_states(dict(states))
+            for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
+                chunk.train(mode)
+            with torch.no_grad():
+                for param, grad in zip(params, grads, strict=True):
+                    if grad is not None and _grad(param) is not None:
+                        _grad(param).copy_(grad)
+                    elif grad is None and getattr(param, "main_grad", None) is None:
+                        param.grad = None  # the re-run created it
+                for buf, saved in zip(_buffers(chunks), buffers, strict=True):
+                    buf.copy_(saved)
+            schedule._last_step = record
         self.last_error = error
+        how = _how(m, plan)
         if not error <= self.tolerance:
-            raise SelfCheckError(self._message(error, call["num_microbatches"], plan))
+            raise SelfCheckError(
+                f"megatron_lossfix self-check failed: re-running the first step's data {how} "
+                f"changed the gradient by {error:.3g} (relative L2; tolerance {self.tolerance:g})"
+                + (f" under reduction {reduction!r}" if reduction else "")
+                + ". The loss depends on how the step is split, so it is not the mode's global "
+                "normalization. Probably: (1) double scaling: loss_func divides the weighted sum "
+                "by its own token count or by the number of micro-batches (a per-micro-batch "
+                "mean, or calculate_per_token_loss plus a manual division), but the plugin's "
+                "weights already normalize: return (sum(weights * loss), num_tokens, report) as "
+                "megatron_lossfix.weighted_loss does; (2) the loss ignores the plugin's weights "
+                "(batch['loss_weights']) and uses the raw loss mask; (3) the model mixes samples "
+                "(batch statistics, token dropping). With bf16/fp16 compute rounding alone moves "
+                "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The normal "
+                "run's gradient was restored."
+            )
         # Every rank measured the same error (it is all-reduced): one line for the whole run.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(
-                f"megatron_lossfix self-check passed: re-running the first step's data "
-                f"{self._how(call['num_microbatches'], plan)} changed the gradient by "
-                f"{error:.2g} (relative L2; tolerance {self.tolerance:g})",
+                f"megatron_lossfix self-check passed: re-running the first step's data {how} "
+                f"changed the gradient by {error:.2g} (relative L2; tolerance {self.tolerance:g})",
                 flush=True,
             )
-        return normal.result
+        return result
 
-    def _normal_run(self, call: dict) -> _NormalRun:
-        """1. The normal step, recording what forward_step reads; then what it left."""
-        chunks = model_chunks(call["model"])
-        given = call["data_iterator"]
-        as_list = isinstance(given, list)
-        recorders = [
-            None if it is None else _Recorder(it) for it in (given if as_list else [given])
-        ]
-        result = self.schedule(**{**call, "data_iterator": recorders if as_list else recorders[0]})
-        # The schedule's public record of the step (a plain forward_backward_func has none).
-        record = self.schedule.last_step if isinstance(self.schedule, RecordsSteps) else None
-        rng = rng_state()
-        buffers = [b.detach().clone() for b in module_buffers(chunks)]
-        unshard_distributed_optimizer(chunks)
-        params = trainable_params(chunks)
-        return _NormalRun(
-            call=call,
-            chunks=chunks,
-            params=params,
-            recorders=recorders,
-            result=result,
-            record=record,
-            rng=rng,
-            buffers=buffers,
-            grads=snapshot_grads(params),
-        )
 
-    def _resplit_run(
-        self, normal: _NormalRun, items: list, plan: ResplitPlan | None
-    ) -> list[torch.Tensor | None]:
-        """Run the re-split data; the gradient to compare the resulting one with."""
-        count = plan.num_microbatches if plan is not None else normal.call["num_microbatches"]
-        if has_dropout(model_config_of(normal.chunks), normal.chunks):
-            # Dropout masks differ between any two runs: compare two dropout-free runs.
-            return self._eval_mode_runs(normal, items, count, plan)
-        self._rerun(normal, items, count, plan)
-        unshard_distributed_optimizer(normal.chunks)
-        return normal.grads
+def _how(m: int, plan: tuple | None) -> str:
+    """How the re-run split the step, for the pass and failure messages."""
+    if plan is None:
+        return f"in the same {m} micro-batches here (other ranks re-split)"
+    if plan[0] == "shuffle":
+        return f"in {m} micro-batches with their rows dealt differently"
+    cut = "each micro-batch cut in" if plan[0] == "split" else "merged in groups of"
+    return f"as {plan[2]} micro-batches instead of {m} ({cut} {plan[1]})"
 
-    def _put_back(self, normal: _NormalRun) -> None:
-        """3. Training goes on from the normal run: its gradient, buffers, RNG, step record."""
-        restore_grads(normal.params, normal.grads)
-        with torch.no_grad():
-            for buf, saved in zip(module_buffers(normal.chunks), normal.buffers, strict=True):
-                buf.copy_(saved)
-        set_rng_state(normal.rng)
-        if normal.record is not None and isinstance(self.schedule, RecordsSteps):
-            self.schedule.restore_last_step(normal.record)
 
-    def _eval_mode_runs(
-        self, normal: _NormalRun, items: list, count: int, plan: ResplitPlan | None
-    ) -> list[torch.Tensor | None]:
-        """Without dropout: the original split (returned), then the re-split (left in place)."""
-        chunks = normal.chunks
-        training = [chunk.training for chunk in chunks]
-        for chunk in chunks:
-            chunk.eval()
-        try:
-            original = [None if rec is None else list(rec.items) for rec in normal.recorders]
-            self._rerun(normal, original, normal.call["num_microbatches"], None)
-            unshard_distributed_optimizer(chunks)
-            reference = snapshot_grads(normal.params)
-            self._rerun(normal, items, count, plan)
-            unshard_distributed_optimizer(chunks)
-        finally:
-            for chunk, mode in zip(chunks, training, strict=True):
-                chunk.train(mode)
-        return reference
+def _recorded(source: Iterator, items: list) -> Iterator:
+    """``source``'s items, each also appended to ``items`` (dicts copied: forward_step may pop)."""
+    for item in iter(lambda: next(source), object()):  # RerunDataIterator has no __iter__
+        items.append(dict(item) if isinstance(item, Mapping) else item)
+        yield item
 
-    def _resplit_data(
-        self, recorders: list, num_microbatches: int, plan: ResplitPlan | None
-    ) -> tuple[list, str | None]:
-        """Per iterator, the re-split items (None where no iterator was given), or a problem."""
-        mask_key = getattr(getattr(self.schedule, "config", None), "loss_mask_key", "loss_mask")
-        out: list = []
-        for c, rec in enumerate(recorders):
-            if rec is None:
-                out.append(None)
-                continue
-            items = rec.items
-            if not items or plan is None:
-                out.append(list(items))  # never read (a middle stage), or nothing to change
-                continue
-            if len(items) != num_microbatches:
-                return [], (
-                    f"forward_step read {len(items)} micro-batches from data iterator {c} but "
-                    f"num_microbatches={num_microbatches}"
-                )
-            try:
-                out.append(resplit(items, plan, mask_key=mask_key))
-            except ValueError as exc:
-                return [], f"cannot re-split data iterator {c}: {exc}"
-        return out, None
 
-    def _rerun(
-        self, normal: _NormalRun, items: list, num_microbatches: int, plan: ResplitPlan | None
-    ) -> None:
-        zero_grads(normal.chunks)
-        call = normal.call
-        iterators = [None if it is None else iter(it) for it in items]
-        kwargs = dict(call)
-        kwargs["data_iterator"] = (
-            iterators if isinstance(call["data_iterator"], list) else (iterators[0])
-        )
-        kwargs["num_microbatches"] = num_microbatches
-        if plan is not None and plan.micro_batch_size is not None and "micro_batch_size" in call:
-            kwargs["micro_batch_size"] = plan.micro_batch_size
-        self.schedule(**kwargs)
-
-    @staticmethod
-    def _how(num_microbatches: int, plan: ResplitPlan | None) -> str:
-        """How the re-run split the step, for the pass and failure messages."""
-        if plan is None:
-            return f"in the same {num_microbatches} micro-batches here (other ranks re-split)"
-        if plan.kind == "shuffle":
-            return f"in {num_microbatches} micro-batches with their rows dealt differently"
-        cut = "each micro-batch cut in" if plan.kind == "split" else "merged in groups of"
+def _why_not_checkable(reduction: str | None, config: Any) -> str | None:
+    """Why the gradient depends on the split by design (the same on every rank), or None."""
+    if reduction in ("off", "token_mean_legacy"):
         return (
-            f"as {plan.num_microbatches} micro-batches instead of {num_microbatches} "
-            f"({cut} {plan.factor})"
+            f"reduction {reduction!r} depends on the micro-batch split by definition "
+            "(Megatron's mean of per-micro-batch means)"
         )
-
-    def _replica_message(
-        self, spread_max: float, spread: float, worst: int, normal: _NormalRun, groups: Any
-    ) -> str:
-        """The failure when data-parallel replicas hold different gradients."""
-        size = group_size(groups.data_parallel)
-        if worst >= 0 and spread == spread_max:
-            names = {id(p): n for c in normal.chunks for n, p in c.named_parameters()}
-            where = f"most in {names.get(id(normal.params[worst]), 'a parameter')!r}"
-        else:
-            where = "between the replicas of another model-parallel rank"
+    moe = getattr(config, "num_moe_experts", None)
+    aux, z = ((getattr(config, f"moe_{k}_loss_coeff", 0) or 0) > 0 for k in ("aux", "z"))
+    capacity = getattr(config, "moe_expert_capacity_factor", None) is not None
+    names = ("MoE load-balancing loss", "MoE z-loss", "MoE expert capacity (token dropping)")
+    features = [name for name, on in zip(names, (aux, z, capacity), strict=True) if moe and on]
+    if features:
         return (
-            f"megatron_lossfix self-check failed: after the first step the gradient differs "
-            f"across the {size} data x context-parallel ranks by {spread_max:.3g} (relative; "
-            f"tolerance {self.tolerance:g}), {where}; those ranks must hold the same reduced "
-            "gradient. The gradients were not reduced across data-parallel ranks, or were "
-            "rescaled on some ranks: set config.finalize_model_grads_func = "
-            "finalize_model_grads (megatron.core.distributed), keep the model in "
-            "DistributedDataParallel, and do not reduce or rescale gradients elsewhere."
+            f"the model uses {', '.join(features)}, whose gradient depends on the batch "
+            "composition by design (they are nonlinear in it; Megatron keeps them per "
+            "micro-batch)"
         )
-
-    def _message(self, error: float, num_microbatches: int, plan: ResplitPlan | None) -> str:
-        reduction = getattr(getattr(self.schedule, "config", None), "reduction", None)
-        how = self._how(num_microbatches, plan)
-        return (
-            f"megatron_lossfix self-check failed: re-running the first step's data {how} "
-            f"changed the gradient by {error:.3g} (relative L2; tolerance {self.tolerance:g})"
-            + (f" under reduction {reduction!r}" if reduction else "")
-            + ". The loss depends on how the step is split, so it is not the mode's global "
-            "normalization. Probably: (1) double scaling: loss_func divides the weighted sum "
-            "by its own token count or by the number of micro-batches (a per-micro-batch mean, "
-            "or calculate_per_token_loss plus a manual division), but the plugin's weights "
-            "already normalize: return (sum(weights * loss), num_tokens, report) as "
-            "megatron_lossfix.weighted_loss does; (2) the loss ignores the plugin's weights "
-            "(batch['loss_weights']) and uses the raw loss mask; (3) the model mixes samples "
-            "(batch statistics, token dropping). With bf16/fp16 compute rounding alone moves "
-            "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The normal "
-            "run's gradient was restored."
-        )
+    return None
 
 
-def with_self_check(schedule: Callable[..., Any], args: argparse.Namespace) -> Callable[..., Any]:
-    """``schedule`` wrapped in :class:`SelfCheckingSchedule` when ``--lossfix-self-check`` was
-    given (with ``--lossfix-self-check-tolerance``), else ``schedule`` itself.
+def _buffers(chunks: list) -> list[torch.Tensor]:
+    """Registered buffers (``nn.Module``'s: Megatron DDP's ``buffers`` are its grad buffers)."""
+    return [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
 
-    Raises ``ValueError`` when the check was asked for without ``--loss-reduction``.
-    """
-    if not getattr(args, "lossfix_self_check", False):
-        return schedule
-    if getattr(args, "loss_reduction", None) is None:
-        raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
-    return SelfCheckingSchedule(
-        schedule, tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5)
-    )
+
+def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    return [None if _grad(p) is None else _grad(p).detach().clone() for p in params]
+
+
+def _unshard(chunks: list) -> None:
+    """Gather the distributed optimizer's shards into full ``main_grad``s (its own unchanged)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in chunks:
+        if not getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False):
+            continue
+        kinds = ("bucket_groups", "expert_parallel_bucket_groups")
+        for bucket_group in (g for kind in kinds for g in getattr(chunk, kind, [])):
+            group = bucket_group.intra_distributed_optimizer_instance_group
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            for bucket in bucket_group.buckets:
+                views = shard_buffer(bucket.grad_data, size)
+                dist.all_gather(views, views[rank].clone(), group=group)
+
+
+def _max(values: Any, device: torch.device, *groups: Any) -> torch.Tensor:
+    """Element-wise max of ``values`` over each of ``groups`` in turn (mp, dp_cp: every rank)."""
+    tensor = torch.as_tensor(values, dtype=torch.float64, device=device)
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) -> tuple:
+    """Relative spread of dense gradients over DP x CP, and the index of the worst (-1: none)."""
+    pairs = enumerate(zip(params, grads, strict=True))
+    dense = [i for i, (p, g) in pairs if g is not None and getattr(p, "allreduce", True)]
+    if group_size(groups.dp_cp) <= 1 or not dense:
+        return 0.0, -1
+    doubles = (grads[i].double() for i in dense)
+    sums = torch.stack([torch.stack([g.sum(), g.square().sum()]) for g in doubles])
+    both = _max(torch.cat([sums, -sums], dim=1), device, groups.dp_cp)  # the max gives the min too
+    numel = torch.tensor([grads[i].numel() for i in dense], dtype=torch.float64, device=device)
+    square = both[:, 1].clamp(min=1e-300)
+    sum_spread = (both[:, 0] + both[:, 2]) / (numel.sqrt() * square.sqrt())
+    spread = torch.maximum(sum_spread, (both[:, 1] + both[:, 3]) / square)
+    worst = int(spread.argmax())
+    return float(spread[worst]), dense[worst]
+
+
+def _relative_error(params: list, reference: list, groups: StepGroups, device: Any) -> float:
+    """Relative L2 distance from ``reference``, each element once (as Megatron's grad norm)."""
+    sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # dense, expert
+    tp_rank = 0 if groups.tp is None else dist.get_rank(groups.tp)  # TP copies: rank 0's count
+    for param, ref in zip(params, reference, strict=True):
+        grad = _grad(param)
+        tp_copy = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+        if ref is None or grad is None or getattr(param, "shared", False) or tp_copy:
+            continue
+        d, r = (grad.double() - ref.double()).square().sum(), ref.double().square().sum()
+        sums[0 if getattr(param, "allreduce", True) else 1] += torch.stack([d, r])
+    for row, group in zip(sums, (groups.mp, groups.expert_mp), strict=True):
+        if group_size(group) > 1:
+            dist.all_reduce(row, group=group)
+    diff, ref = sums.sum(dim=0).tolist()
+    return (diff**0.5) / max(ref**0.5, 1e-30) if ref > 0 else float(diff > 0)
+
+
+def resplit_plan(
+    m: int, mbs: int | None, pp: int = 1, group: int | None = None, keep_shapes: bool = False
+) -> tuple | None:
+    """``(kind, factor, new m, new mbs or None: the call's)``, or None: nothing can change."""
+
+    def fits(new_m: int) -> bool:  # a count Megatron's interleaved schedule accepts
+        return group is None or (new_m >= group and not 0 < new_m % group < pp)
+
+    shuffle = ("shuffle", 1, m, None) if m >= 2 and (mbs is None or mbs >= 2) else None
+    if keep_shapes:  # forward_step broadcasts fixed-shape batches
+        return shuffle
+    # Cut in two (same memory), with pipelines only evenly (one activation shape); else merge.
+    if mbs is not None and mbs >= 2 and (mbs % 2 == 0 or pp == 1) and fits(2 * m):
+        return ("split", 2, 2 * m, mbs // 2 if mbs % 2 == 0 else None)
+    g = next((k for k in range(2, m + 1) if m % k == 0), 0)
+    if g and fits(m // g):
+        return ("merge", g, m // g, None if mbs is None else mbs * g)
+    return shuffle
+
+
+def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss_mask") -> list:
+    """``plan`` applied to one iterator's dict micro-batches (per-row tensors cut, rest kept)."""
+    rows = []  # the loss mask's first dim, else the first tensor's
+    for k, batch in enumerate(batches):
+        if not isinstance(batch, Mapping):
+            kind = type(batch).__name__
+            raise ValueError(f"micro-batch {k} is a {kind}; the self-check re-splits only dicts")
+        if "cu_seqlens" in batch:
+            raise ValueError("packed (THD, cu_seqlens) micro-batches cannot be re-split")
+        tensors = [v for v in (batch.get(mask_key), *batch.values()) if _is_rows(v)]
+        if not tensors:
+            raise ValueError("a micro-batch holds no tensor to split")
+        rows.append(len(tensors[0]))
+    kind, factor, m = plan[0], plan[1], len(batches)
+    # Per new micro-batch: (old micro-batch, its rows) pairs; shuffle: row i of new j is row i
+    # of old (i + j) mod m.
+    if kind == "split":
+        if min(rows) < 2:
+            raise ValueError(f"a micro-batch of {min(rows)} row cannot be cut in two")
+        pieces = [[(k, s)] for k, r in enumerate(rows) for s in (slice(r // 2), slice(r // 2, r))]
+    elif kind == "merge":
+        pieces = [[(k, slice(None)) for k in range(s, s + factor)] for s in range(0, m, factor)]
+    else:
+        if len(set(rows)) != 1 or rows[0] < 2 or m < 2:
+            sizes = sorted(set(rows))
+            raise ValueError(f"shuffling needs >= 2 micro-batches of one size >= 2, not {sizes}")
+        pieces = [[((i + j) % m, slice(i, i + 1)) for i in range(rows[0])] for j in range(m)]
+    out = []
+    for piece in pieces:
+        group = [batches[k] for k, _ in piece]
+        if any(set(b) != set(group[0]) for b in group):
+            raise ValueError(f"micro-batches to {kind} hold different keys")
+        new = {}
+        for key, first in group[0].items():
+            values = [b[key] for b in group]
+            if all(_is_rows(v, rows[k]) for v, (k, _) in zip(values, piece, strict=True)):
+                new[key] = torch.cat([v[s] for v, (_, s) in zip(values, piece, strict=True)])
+            elif all(_same(first, v) for v in values[1:]):
+                new[key] = first
+            else:
+                raise ValueError(f"cannot {kind} micro-batches: {key!r} differs and is not per-row")
+        out.append(new)
+    return out
+
+
+def _is_rows(value: Any, rows: int | None = None) -> bool:
+    """Whether ``value`` is a tensor with a first dim (of ``rows`` rows, when given)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and rows in (None, len(value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        tensors = isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+        return a is b or bool(torch.equal(a, b) if tensors else a == b)
+    except Exception:  # noqa: BLE001 - incomparable values are simply not the same
+        return False

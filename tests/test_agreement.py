@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixConfig, StepRefused
-from megatron_lossfix.agreement import (
+from megatron_lossfix.reduction import MODES
+from megatron_lossfix.schedule import (
     DISAGREE,
     KINDS,
     MASK_VALUES,
@@ -23,14 +24,13 @@ from megatron_lossfix.agreement import (
     SLOT_PROBLEMS,
     SLOT_RANK_SUM,
     VECTOR_LEN,
-    LocalProblem,
     ProblemOnAnotherRank,
+    _model_settings,
     agreement_vector,
     fingerprint,
-    refuse_sharded_mtp,
+    local_problem,
     verdict,
 )
-from megatron_lossfix.config import MODES
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,7 @@ def test_vector_layout_and_a_rank_with_a_problem():
     clean = agreement_vector(None, rank=3, device=CPU, mtp_layers=2)
     assert clean.dtype == torch.float64 and clean.shape == (VECTOR_LEN + 4,)
     assert not clean.any()
-    vec = agreement_vector(LocalProblem(RAN_OUT, "ran out"), rank=3, device=CPU)
+    vec = agreement_vector(local_problem(RAN_OUT, "ran out"), rank=3, device=CPU)
     assert vec[SLOT_PROBLEMS] == 1 and vec[SLOT_RANK_SUM] == 4  # global rank + 1
     assert vec[SLOT_KIND0 + RAN_OUT] == 1 and vec[SLOT_KIND0:].sum() == 1
 
@@ -66,14 +66,14 @@ def test_clean_step_passes():
 
 
 def test_the_rank_with_the_problem_raises_its_own_error():
-    problem = LocalProblem(MASK_VALUES, "micro-batch 1: loss mask holds 0.5")
+    problem = local_problem(MASK_VALUES, "micro-batch 1: loss mask holds 0.5")
     values = _reduced(agreement_vector(problem, 0, CPU), agreement_vector(None, 1, CPU))
     with pytest.raises(StepRefused, match="refused this step: micro-batch 1: loss mask holds"):
         verdict(values, ONE_STAGE, "token_mean", False, problem, None)
 
 
 def test_other_ranks_hear_what_and_who():
-    problem = LocalProblem(RAN_OUT, "ran out")
+    problem = local_problem(RAN_OUT, "ran out")
     values = _reduced(agreement_vector(None, 0, CPU), agreement_vector(problem, 5, CPU))
     with pytest.raises(
         ProblemOnAnotherRank, match=rf"{KINDS[RAN_OUT]} \(reported by global rank 5"
@@ -98,7 +98,10 @@ def test_disagreeing_settings_are_refused_on_every_rank():
 
 
 def test_cp_sharded_data_with_mtp_is_refused_before_any_collective():
-    refuse_sharded_mtp(2, LossFixConfig())  # whole sequences: fine
-    refuse_sharded_mtp(0, LossFixConfig(data_is_cp_sharded=True))  # no MTP: fine
+    def model(mtp_layers):
+        return SimpleNamespace(config=SimpleNamespace(mtp_num_layers=mtp_layers))
+
+    _model_settings(LossFixConfig(), model(2))  # whole sequences: fine
+    _model_settings(LossFixConfig(data_is_cp_sharded=True), model(0))  # no MTP: fine
     with pytest.raises(StepRefused, match="mtp_num_layers=2.*whole sequences"):
-        refuse_sharded_mtp(2, LossFixConfig(data_is_cp_sharded=True))
+        _model_settings(LossFixConfig(data_is_cp_sharded=True), model(2))

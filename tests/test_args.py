@@ -9,7 +9,7 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.config import MODES
+from megatron_lossfix.reduction import MODES
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +73,7 @@ def test_each_mode_round_trips(mode):
         argv += ["--loss-norm-constant", "512"]
     config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
     assert isinstance(config, LossFixConfig) and config.reduction == mode
-    assert config.enabled == (mode != "off")
+    assert config.norm_constant == (512 if mode == "seq_mean_token_sum_norm" else None)
 
 
 def test_debug_flags_reach_the_config():
@@ -104,15 +104,16 @@ def test_schedule_from_args_without_the_flag_is_stock():
 
 def test_schedule_from_args_takes_the_mode_and_the_self_check():
     from megatron_lossfix import LossFixSchedule
-    from megatron_lossfix.selfcheck import SelfCheckingSchedule
+    from megatron_lossfix.selfcheck import SelfCheck
 
     plain = _schedule(["--loss-reduction", "sequence_mean", "--lossfix-no-validate"])
     assert isinstance(plain, LossFixSchedule)
     assert plain.config.reduction == "sequence_mean" and not plain.config.validate
     flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
     checked = _schedule([*flags, "--lossfix-self-check-tolerance", "0.01"])
-    assert isinstance(checked, SelfCheckingSchedule) and checked.tolerance == 0.01
-    assert checked.config.reduction == "sum"  # the wrapped schedule's config shows through
+    assert isinstance(checked, LossFixSchedule) and checked.config.reduction == "sum"
+    assert isinstance(checked.self_check, SelfCheck) and checked.self_check.tolerance == 0.01
+    assert plain.self_check is None
     with pytest.raises(ValueError, match="needs --loss-reduction"):
         _schedule(["--lossfix-self-check"])
     with pytest.raises(ValueError, match="--loss-norm-constant"):

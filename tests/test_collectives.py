@@ -221,7 +221,7 @@ def _step_counts(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.reduction import LossFixConfig
     from megatron_lossfix.schedule import LossFixSchedule
 
     chunks, optimizer, mbs = _rank_setup(layout, per_token, empty_last_dp_rank)

@@ -193,9 +193,9 @@ def _cp_slices(layout: Layout, seq: int) -> tuple[int, list[float], list[float],
 
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.config import LossFixConfig
     from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
-    from megatron_lossfix.schedule import resolve_groups
+    from megatron_lossfix.megatron_compat import resolve_groups
+    from megatron_lossfix.reduction import LossFixConfig
 
     init_layout(layout)
     positions = torch.arange(seq, dtype=torch.float32)[None, :]
@@ -279,7 +279,10 @@ def test_untested_release_warns_once_and_names_the_audit(monkeypatch):
 
 
 def test_null_tokenizer_eod_follows_the_release():
-    eod = megatron_compat.null_tokenizer_eod(256)
+    # The Megatron-LM tests' data (tests/helpers/megatron_lm_run.py) depend on this fact.
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    eod = int(NullTokenizer(256).eod)
     if megatron_compat.megatron_core_version() >= Version("0.18"):
         assert eod == 255
     else:

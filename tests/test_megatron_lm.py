@@ -27,7 +27,6 @@ from helpers.megatron_lm_run import (
 )
 from test_examples import max_rel_diff
 
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.integrations import patches
 from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
@@ -35,7 +34,8 @@ from megatron_lossfix.integrations.megatron_lm import (
     add_args_provider,
     wrap_forward_backward_func,
 )
-from megatron_lossfix.schedule import StepGroups
+from megatron_lossfix.megatron_compat import StepGroups
+from megatron_lossfix.reduction import LossFixConfig
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 
@@ -267,6 +267,9 @@ class _Runs:
             records = result.metrics if key[2] == "fix" else result.logged
             iterations = [r["iteration"] for r in records]
             assert iterations == list(range(1, ITERS + 1)), result.output[-4000:]
+            if key[2] == "fix" and "--lossfix-self-check" in LAYOUTS.get(key[1], (0, 0, []))[2]:
+                # The flag reaches the schedule through from_args: the check ran and passed.
+                assert "megatron_lossfix self-check passed" in result.output, result.output[-4000:]
             self.results[key] = records
 
 

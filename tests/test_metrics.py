@@ -1,4 +1,4 @@
-"""megatron_lossfix.metrics vs plain-PyTorch references written beside them.
+"""The step's metrics (megatron_lossfix.schedule) vs plain-PyTorch references written beside them.
 
 One rank, no process groups (``StepGroups`` of ``None``: nothing is communicated), so the
 functions are pure: a step's recorded state in, the step's numbers out. The references are
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.metrics import StepState, reduce_step_metrics, scalar_stats
 from megatron_lossfix.reduction import count_tokens
+from megatron_lossfix.schedule import StepState, reduce_step_metrics, scalar_stats
 
 pytestmark = pytest.mark.unit
 

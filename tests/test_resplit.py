@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lossfix.resplit import ResplitPlan, resplit, resplit_plan
+from megatron_lossfix.selfcheck import resplit, resplit_plan
 
 pytestmark = pytest.mark.unit
 
@@ -13,15 +13,15 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize(
     "m, mbs, kwargs, want",
     [
-        (2, 6, {}, ResplitPlan("split", 2, 4, 3)),
-        (3, 1, {}, ResplitPlan("merge", 3, 1, 3)),
-        (4, 1, {}, ResplitPlan("merge", 2, 2, 2)),
-        (2, 3, {}, ResplitPlan("split", 2, 4, None)),  # uneven halves: fine without PP
-        (8, 3, {"pipeline_size": 2}, ResplitPlan("merge", 2, 4, 6)),  # PP keeps one shape
-        (2, 3, {"pipeline_size": 2, "interleaved_group": 2}, ResplitPlan("shuffle", 1, 2, None)),
-        (4, 6, {"keep_shapes": True}, ResplitPlan("shuffle", 1, 4, None)),
+        (2, 6, {}, ("split", 2, 4, 3)),
+        (3, 1, {}, ("merge", 3, 1, 3)),
+        (4, 1, {}, ("merge", 2, 2, 2)),
+        (2, 3, {}, ("split", 2, 4, None)),  # uneven halves: fine without PP
+        (8, 3, {"pp": 2}, ("merge", 2, 4, 6)),  # PP keeps one shape
+        (2, 3, {"pp": 2, "group": 2}, ("shuffle", 1, 2, None)),
+        (4, 6, {"keep_shapes": True}, ("shuffle", 1, 4, None)),
         (1, 1, {}, None),
-        (1, 3, {"pipeline_size": 2}, None),
+        (1, 3, {"pp": 2}, None),
     ],
 )
 def test_resplit_plan(m, mbs, kwargs, want):
@@ -51,10 +51,10 @@ def _rows(batches: list[dict]) -> list[int]:
 @pytest.mark.parametrize(
     "sizes, plan, want_sizes",
     [
-        ([4, 4], ResplitPlan("split", 2, 4, 2), [2, 2, 2, 2]),
-        ([3, 2], ResplitPlan("split", 2, 4, None), [1, 2, 1, 1]),
-        ([2, 2, 2, 2], ResplitPlan("merge", 2, 2, 4), [4, 4]),
-        ([3, 3, 3], ResplitPlan("shuffle", 1, 3, None), [3, 3, 3]),
+        ([4, 4], ("split", 2, 4, 2), [2, 2, 2, 2]),
+        ([3, 2], ("split", 2, 4, None), [1, 2, 1, 1]),
+        ([2, 2, 2, 2], ("merge", 2, 2, 4), [4, 4]),
+        ([3, 3, 3], ("shuffle", 1, 3, None), [3, 3, 3]),
     ],
 )
 def test_resplit_keeps_every_row_once(sizes, plan, want_sizes):
@@ -64,21 +64,21 @@ def test_resplit_keeps_every_row_once(sizes, plan, want_sizes):
     assert sorted(_rows(after)) == _rows(before)
     shared = before[0]["position_ids"]
     assert all(torch.equal(b["position_ids"], shared) and b["tag"] == "x" for b in after)
-    if plan.kind == "shuffle":  # every new micro-batch mixes rows of several old ones
+    if plan[0] == "shuffle":  # every new micro-batch mixes rows of several old ones
         assert all(len({r // 3 for r in _rows([b])}) > 1 for b in after)
 
 
 def test_resplit_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="1 row"):
-        resplit(_batches([1, 1]), ResplitPlan("split", 2, 4, None))
+        resplit(_batches([1, 1]), ("split", 2, 4, None))
     with pytest.raises(ValueError, match="only dict"):
-        resplit([(torch.ones(2),)], ResplitPlan("merge", 2, 1, None))
+        resplit([(torch.ones(2),)], ("merge", 2, 1, None))
     uneven = _batches([2, 2])
     uneven[1]["tag"] = "y"
     with pytest.raises(ValueError, match="'tag' differs"):
-        resplit(uneven, ResplitPlan("merge", 2, 1, None))
+        resplit(uneven, ("merge", 2, 1, None))
     packed = _batches([2, 2])
     for b in packed:
         b["cu_seqlens"] = torch.tensor([0, 4, 8])
     with pytest.raises(ValueError, match="packed"):
-        resplit(packed, ResplitPlan("split", 2, 4, None))
+        resplit(packed, ("split", 2, 4, None))

@@ -1,7 +1,7 @@
-"""``SelfCheckingSchedule`` on the tiny GPT through real Megatron-Core schedules (pool ranks): it
-passes for the plugin's loss under DP, PP (1F1B and interleaved), the distributed optimizer,
-dropout, the per-token path and MTP, leaves training exactly as a run without it, and catches
-double-scaled losses on every rank. The re-split plans are in test_resplit.py."""
+"""``LossFixConfig(self_check=True)`` on the tiny GPT through real Megatron-Core schedules (pool
+ranks): it passes for the plugin's loss under DP, PP (1F1B and interleaved), the distributed
+optimizer, dropout, the per-token path and MTP, leaves training exactly as a run without it, and
+catches double-scaled losses on every rank. The re-split plans are in test_resplit.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from functools import partial
 import pytest
 import torch
 
-from megatron_lossfix.args import add_lossfix_args
+from megatron_lossfix import LossFixConfig, LossFixSchedule, SelfCheckError
+from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.audit.tiny_gpt import Layout
-from megatron_lossfix.selfcheck import SelfCheckError, SelfCheckingSchedule, with_self_check
+from megatron_lossfix.selfcheck import SelfCheck
 
 # ------------------------------------------------------------------------------ skipping
 
@@ -32,25 +33,70 @@ class _FakeSchedule:
 @pytest.mark.parametrize("reduction", ["off", "token_mean_legacy"])
 def test_split_dependent_modes_are_skipped(reduction):
     inner = _FakeSchedule(reduction)
-    checker = SelfCheckingSchedule(inner)
+    check = SelfCheck(LossFixConfig(reduction=reduction, self_check=True))
+    call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
+    assert check.due({})
     with pytest.warns(UserWarning, match="depends on the micro-batch split"):
-        out = checker(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
+        out = check.run(inner, inner, call)
     assert out == ["ok"] and inner.calls == 1
-    assert checker.config.reduction == reduction  # the wrapped schedule's attributes pass through
+    assert not check.due({})  # the first training step only
 
 
 @pytest.mark.unit
-def test_with_self_check_from_flags():
+def test_off_schedule_with_the_check_passes_its_step_through():
+    """``off`` with ``self_check=True``: a warning, and the wrapped function's result as is."""
+    seen = []
+
+    def forward_backward(**kwargs):
+        seen.append(kwargs)
+        return ["stock"]
+
+    schedule = LossFixSchedule(LossFixConfig(reduction="off", self_check=True), forward_backward)
+    call = dict(forward_step_func=len, data_iterator=None, model=None, num_microbatches=2)
+    with pytest.warns(UserWarning, match="self-check skipped"):
+        assert schedule(**call) == ["stock"]
+    assert schedule(**call) == ["stock"] and len(seen) == 2
+    assert seen[0]["forward_step_func"] is len and schedule.self_check.checked
+
+
+@pytest.mark.unit
+def test_self_check_from_flags():
     parser = add_lossfix_args(argparse.ArgumentParser())
-    inner = _FakeSchedule("token_mean")
-    args = parser.parse_args(["--loss-reduction", "token_mean"])
-    assert with_self_check(inner, args) is inner
+    config = from_args(parser.parse_args(["--loss-reduction", "token_mean"]))
+    assert not config.self_check and LossFixSchedule(config).self_check is None
     flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
-    args = parser.parse_args([*flags, "--lossfix-self-check-tolerance", "1e-3"])
-    wrapped = with_self_check(inner, args)
-    assert isinstance(wrapped, SelfCheckingSchedule) and wrapped.tolerance == 1e-3
+    config = from_args(parser.parse_args([*flags, "--lossfix-self-check-tolerance", "1e-3"]))
+    assert config.self_check and config.self_check_tolerance == 1e-3
+    assert LossFixSchedule(config).self_check.tolerance == 1e-3
     with pytest.raises(ValueError, match="needs --loss-reduction"):
-        with_self_check(inner, parser.parse_args(["--lossfix-self-check"]))
+        from_args(parser.parse_args(["--lossfix-self-check"]))
+    with pytest.raises(ValueError, match="self_check_tolerance"):
+        LossFixConfig(self_check=True, self_check_tolerance=float("nan"))
+
+
+@pytest.mark.unit
+def test_recorder_reads_next_only_iterators_and_keeps_copies():
+    """Megatron-LM wraps data in RerunDataIterator, which has ``__next__`` and no ``__iter__``;
+    forward_step may pop keys from the dict it gets, which must not reach the record."""
+    from megatron_lossfix.selfcheck import _recorded
+
+    class NextOnly:
+        def __init__(self, items):
+            self._items = iter(items)
+
+        def __next__(self):
+            return next(self._items)
+
+    batches = [{"tokens": torch.ones(2), "tag": 1}, {"tokens": torch.zeros(2), "tag": 2}]
+    seen: list = []
+    recorder = _recorded(NextOnly(batches), seen)
+    first = next(recorder)
+    assert first is batches[0]
+    first.pop("tag")
+    assert next(recorder) is batches[1]
+    with pytest.raises(StopIteration):
+        next(recorder)
+    assert [b["tag"] for b in seen] == [1, 2]
 
 
 # ------------------------------------------------------------------------------ on the tiny GPT
@@ -150,7 +196,6 @@ def _check_on_rank(
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_lossfix import LossFixConfig, LossFixSchedule
     from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
     from megatron_lossfix.audit.tiny_gpt import (
         build_tiny_gpt,
@@ -203,9 +248,12 @@ def _check_on_rank(
     config_ = LossFixConfig(reduction=reduction, norm_constant=norm)
     if finalize == "megatron":
         plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
-    checker = SelfCheckingSchedule(LossFixSchedule(config_))
+    schedule = LossFixSchedule(
+        LossFixConfig(reduction=reduction, norm_constant=norm, self_check=True)
+    )
+    checker = schedule.self_check
     try:
-        checked, checked_rng, checked_calls, checked_loss = step(checker)
+        checked, checked_rng, checked_calls, checked_loss = step(schedule)
     except SelfCheckError as exc:
         # Every rank must reach the verdict, or the others would hang in the next collective.
         return {
@@ -213,7 +261,7 @@ def _check_on_rank(
             "error": checker.last_error,
             "spread": checker.last_replica_spread,
         }
-    second, _, second_calls, _ = step(checker)
+    second, _, second_calls, _ = step(schedule)
     out = {
         "raised": None,
         "error": checker.last_error,
@@ -235,7 +283,7 @@ def _assert_passed(results: list[dict], plan_kind: str) -> None:
         assert res["raised"] is None, f"rank {rank}: {res['raised']}"
         assert res["error"] <= 1e-5, res
         assert res["spread"] <= 1e-12, res  # DP replicas hold the same reduced gradient
-        assert res["plan"].kind == plan_kind
+        assert res["plan"][0] == plan_kind
         assert res["rng_same"], "the check changed the RNG stream"
         assert res["loss_same"], "step_metrics after the check differ from a plain step's"
         plain, checked, second = res["calls"]

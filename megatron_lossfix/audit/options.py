@@ -16,7 +16,7 @@ from megatron_lossfix.audit.matrix import (
 )
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.stacks import STACKS, load_stack
-from megatron_lossfix.config import MODES
+from megatron_lossfix.reduction import MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",

@@ -193,7 +193,7 @@ def layout_grads(
 
     from megatron_lossfix.audit import tiny_gpt
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.config import LossFixConfig
+    from megatron_lossfix.reduction import LossFixConfig
     from megatron_lossfix.schedule import LossFixSchedule
 
     tiny_gpt.init_layout(layout)
@@ -241,7 +241,7 @@ def layout_grads(
 def _reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
     ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
-    from megatron_lossfix.reduction import loss_weights
+    from megatron_lossfix.losses import loss_weights
 
     target = "token_mean" if mode == "off" else mode
 

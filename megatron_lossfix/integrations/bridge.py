@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MasksToDevice,
@@ -43,6 +42,7 @@ from megatron_lossfix.integrations.megatron_lm import (
     record_numbers,
 )
 from megatron_lossfix.megatron_compat import StepGroups
+from megatron_lossfix.reduction import LossFixConfig
 
 __all__ = [
     "BridgeLossFix",
@@ -148,7 +148,7 @@ class BridgeLossFix(MegatronLMLossFix):
     def _wrap_forward_step(
         self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
     ) -> Callable:
-        if groups.cp_size > 1 and self.config.enabled:
+        if groups.cp_size > 1 and self.config.reduction != "off":
             inner = forward_step_func
 
             def forward_step_func(data_iterator: Any, model: Any, *args: Any, **kw: Any) -> tuple:

@@ -25,6 +25,7 @@ is stock Megatron (the metrics record holds the loss Megatron-LM logs, no counts
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import inspect
 import json
@@ -36,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
+from megatron_lossfix.reduction import LossFixConfig, group_size
 from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.selfcheck import with_self_check
+from megatron_lossfix.selfcheck import SelfCheck
 
 __all__ = [
     "LOSS_KEY",
@@ -203,7 +204,12 @@ class MegatronLMLossFix:
         sft_evaluation: bool = False,
     ) -> None:
         self.config = config
-        self.schedule = LossFixSchedule(config, forward_backward_func)
+        # The self-check runs here, around Megatron-LM's plumbing (TP-rank-0 data, the mask
+        # broadcast, the loss keyword), so that its re-runs go through that plumbing too.
+        self.schedule = LossFixSchedule(
+            dataclasses.replace(config, self_check=False), forward_backward_func
+        )
+        self.self_check = SelfCheck(config) if config.self_check else None
         self.inner = forward_backward_func
         """The wrapped Megatron schedule."""
         self.metrics_out = metrics_out
@@ -216,16 +222,16 @@ class MegatronLMLossFix:
 
     @property
     def last_step(self) -> Any:
-        """The wrapped schedule's record of the last step (read and restored by the
-        self-check, :mod:`megatron_lossfix.selfcheck`)."""
+        """The wrapped schedule's record of the last step."""
         return self.schedule.last_step
 
-    def restore_last_step(self, record: Any) -> None:
-        """Make ``record`` the last step's record again (see ``LossFixSchedule``)."""
-        self.schedule.restore_last_step(record)
+    def __call__(self, **call: Any) -> list:
+        """Megatron-LM calls it exactly like the function it replaces (see :meth:`_step`)."""
+        if self.self_check is not None and self.self_check.due(call):
+            return self.self_check.run(self.schedule, self._step, call)
+        return self._step(**call)
 
-    # Megatron-LM calls it exactly like the function it replaces.
-    def __call__(
+    def _step(
         self,
         *,
         forward_step_func: Callable,
@@ -234,7 +240,6 @@ class MegatronLMLossFix:
         num_microbatches: int,
         **kwargs: Any,
     ) -> list:
-        from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
         self._step_start = time.perf_counter()
@@ -258,12 +263,8 @@ class MegatronLMLossFix:
             self._sft_scale = float(num_microbatches * groups.dp_cp_size)
         # [contribution, indicator]: count 1 exactly once per step over the DP x CP group.
         self._indicator_pending = groups.dp_cp is None or dist.get_rank(groups.dp_cp) == 0
-        tp_group = getattr(kwargs.get("pg_collection"), "tp", None)
-        if tp_group is None:
-            tp_group = ps.get_tensor_model_parallel_group()
-        tp_rank = dist.get_rank(tp_group) if dist.get_world_size(tp_group) > 1 else 0
-        if dist.get_world_size(tp_group) == 1:
-            tp_group = None
+        tp_group = groups.tp if group_size(groups.tp) > 1 else None
+        tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         if groups.is_last_stage:
             data_iterator = self._loss_stage_iterators(data_iterator, tp_group, tp_rank)
         result = self.schedule(
@@ -361,7 +362,7 @@ class MegatronLMLossFix:
 def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.Namespace) -> Any:
     """What the patched ``training.py`` calls when ``--loss-reduction`` is given.
 
-    Returns a :class:`MegatronLMLossFix` (inside the runtime self-check with
+    Returns a :class:`MegatronLMLossFix` (checking its first step with
     ``--lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
     Refuses combinations that would silently bypass the plugin.
     """
@@ -399,7 +400,7 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     if wrapper.metrics_out is not None:
         _record_train_steps(wrapper)
     _route_evaluation(config, args)
-    return with_self_check(wrapper, args)
+    return wrapper
 
 
 def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:

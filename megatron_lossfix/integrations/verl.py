@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.reduction import LossFixConfig
 
 __all__ = [
     "ENV",

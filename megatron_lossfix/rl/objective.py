@@ -9,7 +9,7 @@ objective is invariant to how the mini-batch is split over micro-batches and ran
 
 Statistics are returned as 0-dim tensors that are plain sums (or min / max), named by how they
 reduce across ranks: ``*_sum`` and ``*_count`` sum, ``*_min`` min, ``*_max`` max, the rule that
-``step_metrics()`` applies (:mod:`megatron_lossfix.metrics`; it leaves ``num_tokens`` out and
+``LossFixSchedule.step_metrics()`` applies (it leaves ``num_tokens`` out and
 counts tokens itself). Nothing here calls ``.item()`` or branches on tensor values, so the hot
 path never synchronizes with the device.
 """

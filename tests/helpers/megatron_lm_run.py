@@ -201,10 +201,9 @@ def megatron_lm_env(megatron_lm_path: str | os.PathLike) -> dict[str, str]:
 def checkout_null_tokenizer_eod(megatron_lm_path: str | os.PathLike) -> int:
     """NullTokenizer's EOD id for ``--vocab-size VOCAB_SIZE`` in this checkout's own code.
 
-    :func:`megatron_lossfix.megatron_compat.null_tokenizer_eod` asks the installed megatron-core,
-    which may be another release than the checkout (the id moved in 0.18); this loads the
-    checkout's ``null_tokenizer.py`` by itself (it imports nothing from Megatron), which costs
-    nothing next to importing ``megatron.core``.
+    The installed megatron-core may be another release than the checkout (the id moved in
+    0.18); this loads the checkout's ``null_tokenizer.py`` by itself (it imports nothing from
+    Megatron), which costs nothing next to importing ``megatron.core``.
     """
     import importlib.util
 

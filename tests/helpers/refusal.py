@@ -19,12 +19,11 @@ import time
 from functools import partial
 from typing import Any
 
-from megatron_lossfix.agreement import VECTOR_LEN
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.losses import weighted_loss
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.schedule import VECTOR_LEN, LossFixSchedule
 
 CASES = (
     "missing-mask",

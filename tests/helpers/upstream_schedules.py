@@ -32,8 +32,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 SCHEDULES = (
