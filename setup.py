@@ -45,8 +45,16 @@ setup(
             "jaxtyping",
             "pydantic",
         ],
+        # verl at the release the stack audit and the adapter are measured with; its own
+        # requirements need no GPU. (CI installs it --no-deps with the few its Megatron path
+        # imports: see README, "verl".)
+        "verl": ["verl==0.9.1"],
     },
-    entry_points={"console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"]},
+    entry_points={
+        "console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"],
+        # verl loads its plugins when it is imported; the adapter acts only when switched on.
+        "verl.plugins": ["megatron_lossfix=megatron_lossfix.integrations.verl"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.11",

@@ -84,6 +84,14 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "needs Megatron Bridge: tests/test_bridge.py runs these layouts where it is installed",
     ),
     (
+        "pip install -e .[verl]",
+        "installs verl into the reader's environment; CI installs it in its 3.12 world",
+    ),
+    (
+        "--stack verl",
+        "needs verl: tests/test_verl_stack.py runs the stack audit where verl is installed",
+    ),
+    (
         "torchrun ... pretrain_gpt.py",
         "a template (`...`, `<your flags>`) for the patched Megatron-LM, not a command",
     ),

@@ -56,26 +56,40 @@ def test_ep_layouts_parse_and_audit_a_moe_model():
 
 @pytest.mark.unit
 def test_stack_report_fails_on_an_adapted_miss_only():
-    from megatron_lossfix.audit.stacks.skyrl import StackReport
+    from megatron_lossfix.audit.report import AuditReport
 
-    report = StackReport(
-        stack="skyrl", options={}, modes=["token_mean"], layouts=["a"], tolerance=TOL
+    lay = parse_layout("dp2-m3")
+    report = AuditReport(
+        options={"tolerance": TOL},
+        modes=["skyrl", "skyrl+lossfix"],
+        layouts=[lay.name],
+        baselines=("skyrl",),
     )
-    report.add("skyrl", "token_mean", "a", 0.3)
-    report.add("skyrl+lossfix", "token_mean", "a", 1e-7)
-    assert report.passed and report.errors["skyrl"]["a"] == 0.3
-    report.add("skyrl+lossfix", "sequence_mean", "a", 2e-5)
+    report.add_result("skyrl", lay, {"error": 0.3}, TOL)
+    report.add_result("skyrl+lossfix", lay, {"error": 1e-7}, TOL)
+    assert report.passed and report.errors["skyrl"]["dp2-m3"] == 0.3
+    report.add_result("skyrl+lossfix", lay, {"error": 2e-5}, TOL)
     assert not report.passed
-    assert report.errors["skyrl+lossfix"]["a"] == 2e-5
 
 
 @pytest.mark.unit
-def test_stack_refuses_a_mode_skyrl_lacks_in_one_line(capsys):
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--stack", "skyrl", "--modes", "off"], "unknown ['off']"),
+        (["--stack", "skyrl", "--terms", "sft", "--modes", "sequence_mean"], "sequence_mean"),
+        (["--stack", "verl", "--terms", "kl_entropy"], "--stack verl audits --terms all"),
+        (["--terms", "sft"], "--terms sft needs --stack"),
+    ],
+)
+def test_stack_settings_it_cannot_run_are_refused_in_one_line(capsys, argv, says):
     from megatron_lossfix.audit.command import main
 
-    assert main(["--stack", "skyrl", "--modes", "off", "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "no mode ['off']" in err, err
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and err[-1].startswith("usage") is False, err
 
 
 @pytest.mark.unit
@@ -83,7 +97,9 @@ def test_stack_refuses_a_mode_skyrl_lacks_in_one_line(capsys):
 def test_stack_without_skyrl_says_how_to_install(capsys):
     from megatron_lossfix.audit.command import main
 
-    assert main(["--stack", "skyrl", "--no-progress"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["--stack", "skyrl", "--no-progress"])
+    assert exit_.value.code == 2
     assert "pip install -e .[skyrl]" in capsys.readouterr().err
 
 

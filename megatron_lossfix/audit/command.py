@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,6 +47,7 @@ from megatron_lossfix.audit.options import (
 from megatron_lossfix.audit.oracle import OracleCase, layout_grads
 from megatron_lossfix.audit.pool import DistPool
 from megatron_lossfix.audit.report import AuditReport, Progress, format_table, plot_report
+from megatron_lossfix.audit.stacks import load_stack
 
 __all__ = [
     "DEFAULT_LAYOUTS",
@@ -68,10 +70,14 @@ def run_audit(
     pool: Any = None,
     progress: IO[str] | None = sys.stderr,
     worker: Callable[..., Any] = layout_grads,
+    stack_worker: Callable[..., Any] | None = None,
 ) -> AuditReport:
     """Run the matrix; ``pool`` is a ``DistPool`` with enough ranks (else one is started);
-    ``worker`` is what every rank runs for a layout (tests inject faults through it)."""
+    ``worker`` is what every rank runs for a layout (tests inject faults through it), and
+    ``stack_worker`` the same for ``--stack`` (default: the stack's own)."""
     validate_options(opts)
+    if opts.stack is not None:
+        return _run_stack(opts, pool, progress, stack_worker)
     started = time.perf_counter()
     report = AuditReport(
         options=options_json(opts),
@@ -97,6 +103,23 @@ def run_audit(
             pool.close()
     report.elapsed_s = time.perf_counter() - started
     return report
+
+
+def _run_stack(
+    opts: AuditOptions, pool: Any, progress: IO[str] | None, worker: Callable[..., Any] | None
+) -> AuditReport:
+    """``--stack``: the framework's own loss path (``megatron_lossfix.audit.stacks``)."""
+    stack = load_stack(opts.stack)
+    run = partial(stack.run_stack, opts, options_json(opts), progress=progress)
+    if worker is not None:
+        run = partial(run, worker=worker)
+    world = max(lay.world_size for lay in opts.layouts)
+    if pool is None:
+        with DistPool(max_ranks=world, timeout_s=opts.timeout_s) as own:
+            return run(pool=own)
+    if pool.max_ranks < world:
+        raise ValueError(f"the pool has {pool.max_ranks} ranks; the layouts need {world}")
+    return run(pool=pool)
 
 
 def _run_one(
@@ -131,6 +154,22 @@ def _run_one(
     bar.advance(lay.name)
 
 
+def _require_stack(name: str) -> None:
+    """Exit with one line naming the extra when the framework is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    distribution = load_stack(name).DISTRIBUTION
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        # 2, as for a bad flag: 1 means an adapted row missed.
+        print(
+            f"--stack {name} needs {distribution}: pip install -e .[{name}] (from this clone)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 # Harmless on CPU and repeated by every rank (docs/design.md §7); they would bury the progress
 # output.
 _KNOWN_WARNINGS = (
@@ -158,11 +197,12 @@ def main(
     *,
     pool: Any = None,
     worker: Callable[..., Any] = layout_grads,
+    stack_worker: Callable[..., Any] | None = None,
 ) -> int:
     """Run the audit command; returns the exit status (0: every plugin mode within tolerance).
 
-    ``pool``: an already started ``DistPool`` to run in (tests share theirs); ``worker``: see
-    :func:`run_audit`.
+    ``pool``: an already started ``DistPool`` to run in (tests share theirs); ``worker`` and
+    ``stack_worker``: see :func:`run_audit`.
     """
     parser = add_audit_args(
         argparse.ArgumentParser(
@@ -172,18 +212,18 @@ def main(
         )
     )
     args = parser.parse_args(argv)
-    opts = options_from_args(args)
     try:
+        opts = options_from_args(args)
         validate_options(opts)
     except ValueError as exc:
         parser.error(str(exc))
+    if opts.stack is not None:
+        _require_stack(opts.stack)
     if pool is None:  # workers started later inherit the filters
         _quiet_known_warnings()
     progress = None if args.no_progress else sys.stderr
+    report = run_audit(opts, pool=pool, progress=progress, worker=worker, stack_worker=stack_worker)
     out = Path(args.out)
-    if args.stack:
-        return _run_stack(args, opts, pool, progress, out)
-    report = run_audit(opts, pool=pool, progress=progress, worker=worker)
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(format_table(report))
@@ -198,32 +238,4 @@ def main(
             plot_report(report, out / "audit.png")
             written.append(out / "audit.png")
     print("wrote " + ", ".join(str(p) for p in written) + note)
-    return 0 if report.passed else 1
-
-
-def _run_stack(
-    args: argparse.Namespace, opts: AuditOptions, pool: Any, progress: Any, out: Path
-) -> int:
-    """``--stack NAME``: the framework's own loss path, as released and through the adapter.
-    Modes and layouts left at the plugin audit's defaults become the stack's own defaults."""
-    from megatron_lossfix.audit.options import DEFAULT_LAYOUTS as plugin_layouts
-    from megatron_lossfix.audit.stacks import STACKS
-    from megatron_lossfix.reduction import MODES
-
-    try:
-        report = STACKS[args.stack](
-            opts,
-            pool=pool,
-            progress=progress,
-            terms=args.terms,
-            own_modes=opts.modes == MODES,
-            own_layouts=tuple(lay.name for lay in opts.layouts) == tuple(plugin_layouts),
-        )
-    except ValueError as exc:  # a setting the stack refuses: one line, like a bad flag
-        print(f"python -m megatron_lossfix audit: error: {exc}", file=sys.stderr)
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    print(report.table())
-    print(f"wrote {out / 'audit.json'}")
     return 0 if report.passed else 1

@@ -38,6 +38,7 @@ __all__ = [
     "parse_layout",
     "plan_of",
     "reference_jobs",
+    "reference_key",
 ]
 
 #: Each DP rank's micro-batch sizes (``oracle.microbatch_plan``), hashable.
@@ -56,6 +57,8 @@ class MatrixLayout:
     dp: int = 1
     num_microbatches: int = 1
     ep: int = 1
+    """Expert parallelism: a MoE model whose experts are split over the stage's DP ranks
+    (Megatron's expert grid); it does not enter the world size."""
 
     @property
     def world_size(self) -> int:
@@ -82,8 +85,8 @@ def parse_layout(name: str) -> MatrixLayout:
     """``tp2-pp2-dp2-m3`` -> TP=2, PP=2, DP=2, 3 micro-batches per DP rank.
 
     Parts, joined by ``-`` in any order: ``tp<N>``, ``pp<N>``, ``vpp<N>`` (virtual stages per PP
-    rank, interleaved 1F1B), ``cp<N>``, ``ep<N>`` (experts split over N ranks of a stage: a MoE
-    model; not part of the world size), ``dp<N>`` (default 1) and ``m<N>`` (required).
+    rank, interleaved 1F1B), ``cp<N>``, ``ep<N>`` (a MoE model, experts over the DP ranks),
+    ``dp<N>`` (default 1) and ``m<N>`` (required).
     Raises ``ValueError`` for anything else.
     """
     values: dict[str, int] = {}
@@ -99,6 +102,9 @@ def parse_layout(name: str) -> MatrixLayout:
         raise ValueError(f"bad layout {name!r}: the micro-batch count m<N> is required")
     if "vpp" in values and values.get("pp", 1) < 2:
         raise ValueError(f"bad layout {name!r}: vpp needs pp >= 2")
+    if values.get("ep", 1) > 1 and values.get("dp", 1) % values["ep"]:
+        # Megatron's expert grid splits the experts over the stage's DP x CP ranks.
+        raise ValueError(f"bad layout {name!r}: ep must divide dp (experts split over DP ranks)")
     return MatrixLayout(
         name=name.strip(),
         tp=values.get("tp", 1),
@@ -164,7 +170,8 @@ class ReferenceJob:
     plan: Plan | None
 
 
-def _reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Plan | None]:
+def reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Plan | None]:
+    """The key of ``case``'s reference for ``mode`` under ``plan`` in :func:`compute_references`."""
     # OracleCase holds dicts (unhashable); its repr lists every field, so it identifies the case.
     if mode == "token_mean_legacy":
         return (repr(case), mode, plan)
@@ -178,7 +185,7 @@ def reference_jobs(
     jobs: dict[tuple, ReferenceJob] = {}
     for label, case, plan in placements:
         for mode in modes:
-            key = _reference_key(case, mode, plan)
+            key = reference_key(case, mode, plan)
             jobs.setdefault(key, ReferenceJob(label, case, key[1], key[2]))
     return jobs
 
@@ -224,7 +231,7 @@ def check_layout(
     results = pool.run(worker, world, layout, case, tuple(modes), num_microbatches)[0]
     checks = {}
     for mode in modes:
-        ref = refs[_reference_key(case, mode, plan)]
+        ref = refs[reference_key(case, mode, plan)]
         checks[mode] = {
             "error": relative_error(results[mode]["grads"], ref["grads"]),
             "loss": results[mode]["metrics"]["loss"],

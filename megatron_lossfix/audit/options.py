@@ -15,7 +15,7 @@ from megatron_lossfix.audit.matrix import (
     parse_layout,
 )
 from megatron_lossfix.audit.oracle import OracleCase
-from megatron_lossfix.audit.stacks import STACKS
+from megatron_lossfix.audit.stacks import STACKS, load_stack
 from megatron_lossfix.reduction import MODES
 
 __all__ = [
@@ -35,6 +35,12 @@ AuditLayout = MatrixLayout
 DEFAULT_LAYOUTS = AUDIT_LAYOUTS
 
 TOLERANCE = 1e-5
+
+#: ``--terms``: what a stack audit covers (a stack offers those in its ``TERMS``).
+TERMS = ("all", "kl_entropy", "sft")
+
+#: Experts per layer of the MoE model that EP layouts run (divisible by every EP size allowed).
+MOE_EXPERTS = 4
 
 #: ``build_tiny_gpt`` arguments of each ``--model-size``.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -58,6 +64,12 @@ class AuditOptions:
     per_token_loss: bool = False
     tolerance: float = TOLERANCE
     timeout_s: float = 300.0
+    stack: str | None = None
+    """An RL framework whose own loss path is audited (``--stack``); its modes are then the
+    framework's names."""
+    terms: str = "all"
+    """With ``stack``: the loss terms audited (:data:`TERMS`), where the stack offers a choice
+    (its ``TERMS``)."""
 
     def case(self, layout: AuditLayout) -> OracleCase:
         """The oracle's model and data for ``layout``."""
@@ -70,9 +82,8 @@ class AuditOptions:
         # (docs/design.md §7): CP layouts use the same model with attention replaced by identity.
         if layout.cp > 1:
             model["no_attention"] = True
-        # Expert parallelism needs experts: an EP layout audits a MoE model with two per rank.
         if layout.ep > 1:
-            model["num_experts"] = 2 * layout.ep
+            model["num_experts"] = MOE_EXPERTS
         return OracleCase(
             global_batch_size=self.global_batch_size,
             seq_length=self.seq_length,
@@ -82,8 +93,25 @@ class AuditOptions:
         )
 
 
+def _allowed_modes(stack: str | None, terms: str) -> tuple[str, ...]:
+    """The modes a run may check: the plugin's, or the stack's own for ``terms``."""
+    if stack is None:
+        if terms != "all":
+            raise ValueError(f"--terms {terms} needs --stack")
+        return MODES
+    module = load_stack(stack)
+    offered = getattr(module, "TERMS", {"all": tuple(module.MODES)})
+    if terms not in offered:
+        raise ValueError(f"--stack {stack} audits --terms {', '.join(offered)}, not {terms}")
+    return tuple(offered[terms])
+
+
 def validate_options(opts: AuditOptions) -> None:
     """Raise ``ValueError``, naming the layout and the flag, for a matrix that cannot run."""
+    allowed = _allowed_modes(opts.stack, opts.terms)
+    bad = [m for m in opts.modes if m not in allowed]
+    if bad:
+        raise ValueError(f"--modes: unknown {bad}; choose from {', '.join(allowed)}")
     for lay in opts.layouts:
         if lay.world_size > 8:
             raise ValueError(f"layout {lay.name} needs {lay.world_size} ranks; at most 8")
@@ -107,6 +135,17 @@ def validate_options(opts: AuditOptions) -> None:
             raise ValueError(
                 f"layout {lay.name}: attention heads ({opts.heads}) must divide the hidden size "
                 f"({opts.hidden}) and be divisible by tp={lay.tp}"
+            )
+        if MOE_EXPERTS % lay.ep:
+            raise ValueError(f"layout {lay.name}: ep must divide the {MOE_EXPERTS} experts")
+        if lay.ep > 1 and lay.tp > 1:
+            # Megatron requires sequence parallelism for MoE with TP, which needs Apex/TE.
+            raise ValueError(f"layout {lay.name}: ep with tp > 1 needs Transformer Engine")
+        if opts.stack and (opts.global_batch_size // lay.dp) % lay.num_microbatches:
+            raise ValueError(
+                f"layout {lay.name}: --stack cuts each DP rank's "
+                f"{opts.global_batch_size // lay.dp} sequences into micro-batches of one size; "
+                f"m{lay.num_microbatches} must divide that number"
             )
         if opts.seq_length % (2 * lay.cp):
             raise ValueError(f"layout {lay.name}: --seq-length must be divisible by 2 x cp")
@@ -154,34 +193,37 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
     """What to check and where the files go."""
     parser.add_argument(
         "--modes",
-        type=_csv(MODES),
-        default=MODES,
+        type=_csv(None),
         help=f"comma-separated reduction modes to check (default: all: {','.join(MODES)}); "
-        "`off` is stock Megatron, the baseline, allowed to miss",
+        "`off` is stock Megatron, the baseline, allowed to miss. With --stack, the framework's "
+        "own loss modes (default: all that have a counterpart here)",
     )
     parser.add_argument(
         "--layouts",
         type=_layouts,
-        default=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS),
-        help=f"comma-separated layouts (default: {','.join(DEFAULT_LAYOUTS)}). A layout joins "
-        "tp<N>, pp<N>, vpp<N>, cp<N>, dp<N> and m<N> (micro-batches per DP rank, required) "
+        # None: the audit's defaults, or with --stack that stack's own (its LAYOUTS).
+        help=f"comma-separated layouts (default: {','.join(DEFAULT_LAYOUTS)}; with --stack, "
+        "the layouts the stack was measured on). A layout joins "
+        "tp<N>, pp<N>, vpp<N>, cp<N>, ep<N>, dp<N> and m<N> (micro-batches per DP rank, "
+        "required) "
         f"with '-', at most 8 ranks; e.g. {', '.join(LAYOUT_PRESETS)}. CP layouts replace "
         "attention by identity (no Transformer Engine on CPU)",
     )
     parser.add_argument(
         "--stack",
         choices=sorted(STACKS),
-        help="audit a framework's own Megatron loss path instead of the plugin alone: rows "
-        "<stack> (as released) and <stack>+lossfix (through the adapter); the framework must "
-        "be installed (pip install -e .[<stack>]). Default modes and layouts are the stack's own",
+        help="audit an RL framework's own Megatron loss path instead of the plugin alone: rows "
+        "<stack> (as released, allowed to miss) and <stack>+lossfix (through the adapter); the "
+        "framework must be installed (pip install -e .[<stack>]). Default modes and layouts "
+        "are the stack's own",
     )
     parser.add_argument(
         "--terms",
-        choices=("all", "kl_entropy", "sft"),
+        choices=TERMS,
         default="all",
-        help="with --stack: which loss terms to audit: all (policy, KL, entropy; default), "
-        "kl_entropy (zero advantages: KL and entropy alone) or sft (the framework's SFT "
-        "cross-entropy path, token_mean)",
+        help="with --stack skyrl: which loss terms to audit: all (policy, KL, entropy; "
+        "default), kl_entropy (zero advantages: KL and entropy alone) or sft (the framework's "
+        "SFT cross-entropy path, token_mean)",
     )
     parser.add_argument(
         "--out",
@@ -251,9 +293,16 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> AuditOptions:
     """The run's options from parsed flags (model size first, explicit sizes override it)."""
     size = MODEL_SIZES[args.model_size]
+    modes = args.modes
+    if modes is None:
+        modes = _allowed_modes(args.stack, args.terms)
+    layouts = args.layouts
+    if layouts is None:
+        names = DEFAULT_LAYOUTS if args.stack is None else load_stack(args.stack).LAYOUTS
+        layouts = tuple(parse_layout(n) for n in names)
     return AuditOptions(
-        modes=tuple(args.modes),
-        layouts=tuple(args.layouts),
+        modes=tuple(modes),
+        layouts=tuple(layouts),
         num_layers=args.num_layers or size["num_layers"],
         hidden=args.hidden_size or size["hidden"],
         heads=args.num_attention_heads or size["heads"],
@@ -263,4 +312,6 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
         per_token_loss=args.per_token_loss,
         tolerance=args.tolerance,
         timeout_s=args.timeout,
+        stack=args.stack,
+        terms=args.terms,
     )

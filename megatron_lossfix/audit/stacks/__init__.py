@@ -1,23 +1,55 @@
-"""Framework stacks the audit can check instead of the plugin alone (``--stack NAME``).
+"""Stack audits: an RL framework's own Megatron loss path under the audit's layouts
+(``python -m megatron_lossfix audit --stack NAME``).
 
-``STACKS`` maps a name to its runner, ``runner(opts, *, pool, progress, terms, own_modes,
-own_layouts) -> report`` (a report with ``to_json()``, ``table()`` and ``passed``). A runner
-imports its framework only when called, so the audit never needs a framework it does not audit.
+A stack runs the framework's released code for one training step (its loss aggregation, its
+micro-batch post-processing, its token count, the Megatron schedule call it makes) on the
+audit's tiny GPT, once as released and once through this project's adapter, and compares each
+full gradient with the one-rank, one-micro-batch reference. ``STACKS`` maps each stack's name to
+a function importing its module: the framework is imported only when its stack runs.
+
+A stack module provides:
+
+* ``MODES``: ``{framework mode name: StackMode}`` (``stacks.modes``), the framework's loss
+  aggregation modes that have a counterpart among the plugin's;
+* ``LAYOUTS``: the layouts it runs without ``--layouts``;
+* ``DISTRIBUTION``: the framework's package name (``importlib.metadata``), to say what is
+  missing;
+* ``TERMS`` (optional): ``{--terms value: the modes it allows}``, where the stack audits more
+  than its whole objective (SkyRL: KL and entropy alone, its SFT path);
+* ``run_stack(opts, options, *, pool, progress, worker=...) -> AuditReport`` (``options``: the
+  run's settings for ``audit.json``; ``worker``: what every rank runs, which tests replace to
+  bypass the adapter): the rows ``NAME`` (as released) and ``NAME+lossfix`` (through the
+  adapter), worst mode per layout, plus one row per mode (``NAME:mode``,
+  ``NAME+lossfix:mode``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
-__all__ = ["STACKS"]
+__all__ = ["STACKS", "load_stack"]
 
 
-def _skyrl(*args: Any, **kwargs: Any) -> Any:
+def _verl() -> ModuleType:
+    from megatron_lossfix.audit.stacks import verl
+
+    return verl
+
+
+def _skyrl() -> ModuleType:
     from megatron_lossfix.audit.stacks import skyrl
 
-    return skyrl.run_stack(*args, **kwargs)
+    return skyrl
 
 
-#: ``--stack`` name -> runner.
-STACKS: dict[str, Callable[..., Any]] = {"skyrl": _skyrl}
+#: Stack name -> a function returning the module that runs it.
+STACKS: dict[str, Callable[[], ModuleType]] = {"skyrl": _skyrl, "verl": _verl}
+
+
+def load_stack(name: str) -> ModuleType:
+    """The stack's module (it imports the framework only when run); ``ValueError`` naming the
+    choices for an unknown name."""
+    if name not in STACKS:
+        raise ValueError(f"unknown stack {name!r}; choose from {', '.join(sorted(STACKS))}")
+    return STACKS[name]()

@@ -25,29 +25,31 @@ The harness (data, layouts, reference) is ours; SkyRL's code runs unchanged from
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import torch
 
 from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
 from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan, relative_error
+from megatron_lossfix.audit.report import AuditReport, Progress
 
 __all__ = [
+    "DISTRIBUTION",
     "ENTROPY_COEF",
     "KL_COEF",
+    "LAYOUTS",
     "MODES",
     "ROWS",
-    "StackReport",
+    "TERMS",
     "run_stack",
     "skyrl_batch",
     "skyrl_layout_grads",
     "skyrl_reference",
 ]
 
+DISTRIBUTION = "skyrl"
 #: SkyRL's ``algorithm.loss_reduction`` values; each is the plugin mode of the same name.
 MODES: tuple[str, ...] = (
     "token_mean",
@@ -56,16 +58,16 @@ MODES: tuple[str, ...] = (
     "seq_mean_token_sum_norm",
 )
 ROWS: tuple[str, ...] = ("skyrl", "skyrl+lossfix")
-#: What a run audits (module docstring).
-TERMS: tuple[str, ...] = ("all", "kl_entropy", "sft")
+#: ``--terms``: what a run audits (module docstring) -> the modes it allows.
+TERMS: dict[str, tuple[str, ...]] = {"all": MODES, "kl_entropy": MODES, "sft": ("token_mean",)}
 #: SkyRL's gradient under a layout against its own one-rank, one-micro-batch gradient: its
 #: layout dependence alone, apart from how its objective differs from the exact one.
 SELF_ROW = "skyrl-vs-1rank"
 KL_COEF = 0.1
 ENTROPY_COEF = 0.05
-#: The stack audit's default layouts: one rank (SkyRL's definitions alone), DP, PP, CP, TP and
-#: EP2 MoE.
-DEFAULT_LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp2-m3", "pp2-m4", "cp2-m3", "tp2-m3", "ep2-dp2-m3")
+#: ``--stack skyrl`` without ``--layouts``: one rank (SkyRL's definitions alone), DP, PP, CP, TP
+#: and EP2 MoE.
+LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp2-m3", "pp2-m4", "cp2-m3", "tp2-m3", "ep2-dp2-m3")
 
 
 def stack_case(opts: Any, layout: MatrixLayout) -> OracleCase:
@@ -304,154 +306,62 @@ def skyrl_reference(
 # ------------------------------------------------------------------------------ the driver
 
 
-@dataclasses.dataclass
-class StackReport:
-    """``errors[row][layout]`` (worst mode) and ``errors["row/mode"][layout]``, the verdict."""
-
-    stack: str
-    options: dict[str, Any]
-    modes: list[str]
-    layouts: list[str]
-    tolerance: float
-    errors: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    layout_errors: dict[str, str] = dataclasses.field(default_factory=dict)
-    elapsed_s: float = 0.0
-
-    def add(self, row: str, mode: str, layout: str, error: float) -> None:
-        self.errors.setdefault(f"{row}/{mode}", {})[layout] = error
-        worst = self.errors.setdefault(row, {})
-        worst[layout] = max(worst.get(layout, 0.0), error)
-
-    @property
-    def adapted_rows(self) -> list[str]:
-        return [r for r in self.errors if r.split("/")[0].endswith("+lossfix")]
-
-    @property
-    def passed(self) -> bool:
-        misses = [
-            e for r in self.adapted_rows for e in self.errors[r].values() if e > self.tolerance
-        ]
-        return not misses and not self.layout_errors
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stack": self.stack,
-            "passed": self.passed,
-            "tolerance": self.tolerance,
-            "modes": self.modes,
-            "layouts": self.layouts,
-            "errors": self.errors,
-            "layout_errors": self.layout_errors,
-            "options": self.options,
-            "elapsed_s": round(self.elapsed_s, 3),
-        }
-
-    def table(self) -> str:
-        rows = [r for r in self.errors if "/" in r]
-        width = max(len(r) for r in rows) if rows else 10
-        head = f"{'row/mode':<{width}}  " + "  ".join(f"{lay:>11}" for lay in self.layouts)
-        lines = [head]
-        for r in rows:
-            cells = [self.errors[r].get(lay) for lay in self.layouts]
-            lines.append(
-                f"{r:<{width}}  "
-                + "  ".join(f"{'-':>11}" if c is None else f"{c:11.2e}" for c in cells)
-            )
-        for lay, why in self.layout_errors.items():
-            lines.append(f"{lay}: FAILED: {why}")
-        verdict = "PASS" if self.passed else "FAIL"
-        lines.append(f"{verdict}: every +lossfix row within {self.tolerance:.0e} (relative L2)")
-        return "\n".join(lines)
-
-
 def run_stack(
     opts: Any,
+    options: dict[str, Any],
     *,
-    pool: Any = None,
-    progress: IO[str] | None = sys.stderr,
-    terms: str = "all",
-    own_modes: bool = False,
-    own_layouts: bool = False,
-) -> StackReport:
-    """The SkyRL stack audit over ``opts.layouts`` and ``opts.modes`` (SkyRL's modes only);
-    ``own_modes`` / ``own_layouts``: use this stack's defaults instead."""
-    from megatron_lossfix.audit.pool import DistPool
-
-    if terms not in TERMS:
-        raise ValueError(f"--terms {terms!r}: choose from {', '.join(TERMS)}")
-    stack_modes = ("token_mean",) if terms == "sft" else MODES
-    if own_modes or own_layouts:
-        opts = dataclasses.replace(
-            opts,
-            modes=stack_modes if own_modes else opts.modes,
-            layouts=tuple(parse_layout(n) for n in DEFAULT_LAYOUTS)
-            if own_layouts
-            else opts.layouts,
-        )
-
-    bad = [m for m in opts.modes if m not in stack_modes]
-    if bad:
-        raise ValueError(
-            f"--stack skyrl --terms {terms}: no mode {bad} here; choose from "
-            f"{', '.join(stack_modes)}"
-        )
-    if importlib.util.find_spec("skyrl") is None:
-        raise ValueError("--stack skyrl needs SkyRL installed: pip install -e .[skyrl]")
+    pool: Any,
+    progress: IO[str] | None,
+    worker: Callable[..., Any] = skyrl_layout_grads,
+) -> AuditReport:
+    """Rows ``skyrl`` and ``skyrl+lossfix`` (worst mode per layout), one row per mode, and
+    ``skyrl-vs-1rank:<mode>`` (SkyRL against its own one-rank gradient: its layout dependence
+    alone); ``worker`` runs on every rank (tests bypass the adapter through it)."""
     started = time.perf_counter()
-    report = StackReport(
-        stack="skyrl",
-        options={
-            **dataclasses.asdict(opts),
-            "modes": list(opts.modes),
-            "layouts": [lay.name for lay in opts.layouts],
-            "terms": terms,
-        },
-        modes=list(opts.modes),
-        layouts=[lay.name for lay in opts.layouts],
-        tolerance=opts.tolerance,
+    modes, terms = tuple(opts.modes), opts.terms
+    per_mode = [f"{row}:{m}" for row in ROWS for m in modes]
+    # token_mean_legacy is defined by the micro-batch split: it has no layout-free value.
+    own_modes = [m for m in modes if m != "token_mean_legacy"]
+    report = AuditReport(
+        options=options,
+        modes=[*ROWS, *per_mode, *(f"{SELF_ROW}:{m}" for m in own_modes)],
+        layouts=[{**dataclasses.asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
+        baselines=(ROWS[0], *(f"{r}:{m}" for r in (ROWS[0], SELF_ROW) for m in modes)),
     )
-    world = max(lay.world_size for lay in opts.layouts)
-    own_pool = pool is None
-    if own_pool:
-        pool = DistPool(max_ranks=world, timeout_s=opts.timeout_s)
+    bar = Progress(len(opts.layouts), progress)
     refs: dict[tuple, dict[str, torch.Tensor]] = {}
-    own: dict[tuple, dict] = {}
-    try:
-        for lay in opts.layouts:
-            if progress is not None:
-                print(f"skyrl stack: {lay.name}", file=progress, flush=True)
-            case = stack_case(opts, lay)
-            plan = microbatch_plan(case, lay.dp, lay.num_microbatches)
-            try:
-                got = pool.run(
-                    skyrl_layout_grads,
-                    lay.world_size,
-                    lay.parallel(),
-                    case,
-                    tuple(opts.modes),
-                    lay.num_microbatches,
-                    terms,
-                )[0]
-                for mode in opts.modes:
-                    key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
-                    if key not in refs:
-                        refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
-                    for row in ROWS:
-                        report.add(row, mode, lay.name, relative_error(got[(row, mode)], refs[key]))
-                    if mode == "token_mean_legacy":
-                        continue  # defined by the micro-batch split: no layout-free value
-                    own_key = (repr(case), mode)
-                    if own_key not in own:
-                        one = parse_layout("dp1-m1").parallel()
-                        own[own_key] = pool.run(
-                            skyrl_layout_grads, 1, one, case, (mode,), 1, terms, ("skyrl",)
-                        )[0][("skyrl", mode)]
-                    error = relative_error(got[("skyrl", mode)], own[own_key])
-                    report.add(SELF_ROW, mode, lay.name, error)
-            except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-                report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-    finally:
-        if own_pool:
-            pool.close()
+    own: dict[tuple, dict[str, torch.Tensor]] = {}
+    one_rank = parse_layout("dp1-m1").parallel()
+    for lay in opts.layouts:
+        bar.show(lay.name)
+        case = stack_case(opts, lay)
+        plan = microbatch_plan(case, lay.dp, lay.num_microbatches)
+        try:
+            got = pool.run(
+                worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches, terms
+            )[0]
+            worst = dict.fromkeys(ROWS, 0.0)
+            for mode in modes:
+                key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
+                if key not in refs:
+                    refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
+                for row in ROWS:
+                    err = relative_error(got[(row, mode)], refs[key])
+                    worst[row] = max(worst[row], err)
+                    report.add_result(f"{row}:{mode}", lay, {"error": err}, opts.tolerance)
+                if mode in own_modes:
+                    if key[:2] not in own:
+                        own[key[:2]] = pool.run(
+                            skyrl_layout_grads, 1, one_rank, case, (mode,), 1, terms, ROWS[:1]
+                        )[0][(ROWS[0], mode)]
+                    err = relative_error(got[(ROWS[0], mode)], own[key[:2]])
+                    report.add_result(f"{SELF_ROW}:{mode}", lay, {"error": err}, opts.tolerance)
+            for row, err in worst.items():
+                report.add_result(row, lay, {"error": err}, opts.tolerance)
+        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
+            report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
+            bar.advance(f"{lay.name} FAILED")
+            continue
+        bar.advance(lay.name)
     report.elapsed_s = time.perf_counter() - started
     return report
