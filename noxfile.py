@@ -19,7 +19,8 @@ extras and what Megatron-LM's training scripts import, and runs pytest on CPU/gl
 * ``tests-3.12``: Python 3.12, megatron-core 0.19.2: the whole suite (Megatron-LM at
   ``core_v0.19.0``) and, beside it, Megatron Bridge 0.6.2's tests in a virtualenv layered over
   the suite's (``.ci/install_bridge.sh``: Bridge's dependencies must not land where the suite
-  runs). Its two virtualenvs are this file's own (``WORLD_312``, ``BRIDGE_312``), not nox's.
+  runs), then verl's and SkyRL's stack audits in a third layer (``RL_312``). Its three
+  virtualenvs are this file's own (``WORLD_312``, ``BRIDGE_312``, ``RL_312``), not nox's.
 * ``older-3.12`` (not run by default, it does not fit CI's time; ``nox -s older-3.12``):
   Python 3.12 with megatron-core 0.17.1, then 0.18.2 in the same virtualenv, ``RELEASE_TESTS``
   each (Megatron-LM at ``core_v0.17.1`` and ``core_v0.18.2``).
@@ -33,9 +34,9 @@ The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
 line, without it. While ``tests-3.11`` runs its tests, the 3.12 world is set up in the background
 (``_start_312``): its wheels, then Megatron Bridge's
-(``.ci/bridge-requirements.txt``), are downloaded into ``.nox/wheels-3.12`` and both virtualenvs
-are built from that folder (Bridge's without an index, when its download worked), so that
-``tests-3.12`` starts its tests at once.
+(``.ci/bridge-requirements.txt``) and the stacks' (``.ci/rl-requirements.txt``), are downloaded
+into ``.nox/wheels-3.12`` and the virtualenvs are built from that folder (the layers without an
+index, when their downloads worked), so that ``tests-3.12`` starts its tests at once.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ BRIDGE = "megatron-bridge==0.6.2"  # as .ci/install_bridge.sh installs it
 #: What ``.ci/install_bridge.sh`` installs beside Megatron Bridge.
 BRIDGE_REQUIREMENTS = os.path.join(".ci", "bridge-requirements.txt")
 BRIDGE_TESTS = "tests/test_bridge.py"
+#: The verl and SkyRL stack audits' virtualenv, layered over the world like Bridge's: their
+#: transformers pin conflicts with Bridge's, and neither belongs where the suite runs. verl is
+#: installed without its dependencies (they pull GPU tooling its Megatron loss path never
+#: imports); what both import is in RL_REQUIREMENTS.
+RL_312 = os.path.join(".nox", "rl-3.12")
+VERL = "verl==0.9.1"  # as setup.py's extra pins it
+RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
+RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py")
 #: The background work for the 3.12 world: name -> (done, exit statuses of its commands).
 _jobs: dict[str, tuple[threading.Event, list[int]]] = {}
 _job_procs: list[subprocess.Popen] = []
@@ -135,9 +144,9 @@ def _python(venv: str) -> str:
 
 def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
     """Start, once, the 3.12 world's set-up in the background: download its wheels into
-    ``WHEELS_312`` (torch and megatron-core with their dependencies, then Megatron Bridge's), and
-    beside those downloads build ``WORLD_312`` from them, then ``BRIDGE_312`` over it (without
-    ``bridge``, neither Bridge's download nor its build).
+    ``WHEELS_312`` (torch and megatron-core with their dependencies, then Megatron Bridge's and
+    the stack audits'), and beside those downloads build ``WORLD_312`` from them, then
+    ``BRIDGE_312`` and ``RL_312`` over it (without ``bridge``, only the world).
 
     ``tests-3.11`` starts it; ``tests-3.12`` waits for what it needs (``_built``). Not at a lower
     priority: the cores are busy with tests throughout, and the scheduler weighs a nice-10
@@ -148,7 +157,8 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
     if _jobs or python is None:
         return
     os.makedirs(WHEELS_312, exist_ok=True)
-    for name in ("download-3.12", "download-bridge", "world-3.12", "bridge-3.12"):
+    for name in ("download-3.12", "download-bridge", "download-rl", "world-3.12", "bridge-3.12",
+                 "rl-3.12"):  # fmt: skip
         _jobs[name] = (threading.Event(), [])
     pins = (TORCH, f"megatron-core=={LATEST['3.12']}")
     constraints = os.path.join(WHEELS_312, "constraints.txt")
@@ -167,11 +177,17 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
         return _jobs[name][1][-1] == 0
 
     def downloads() -> None:
-        steps = {"download-3.12": [[*pip, *pins]], "download-bridge": []}
+        steps = {"download-3.12": [[*pip, *pins]], "download-bridge": [], "download-rl": []}
         if bridge:
             steps["download-bridge"] = [
                 [*pip, "--no-deps", BRIDGE],
                 [*pip, "-c", constraints, "-r", BRIDGE_REQUIREMENTS],
+            ]
+            steps["download-rl"] = [
+                # Two of what the stacks need come as sources only (antlr4-python3-runtime,
+                # func_timeout): their build backend must be there too for an offline install.
+                [*pip, "--no-deps", VERL, "setuptools", "wheel"],
+                [*pip, "-c", constraints, "-r", RL_REQUIREMENTS],
             ]
         with open(os.path.join(WHEELS_312, "download.log"), "w") as log:
             for name, commands in steps.items():
@@ -200,11 +216,32 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
             if not (ok and bridge):
                 _jobs["bridge-3.12"][1].append(1)
             _jobs["bridge-3.12"][0].set()
+            world_ok = _done("world-3.12")
+            downloaded = _done("download-rl")
+            ok = (
+                world_ok
+                and bridge
+                and run("rl-3.12", log, [python, "-m", "venv", "--clear", RL_312])
+            )
+            if ok:
+                _layer(RL_312, WORLD_312)
+                rl_pip = [_python(RL_312), "-m", "pip", "install", "-q", "--find-links", WHEELS_312]
+                env = local if downloaded else None
+                ok = run("rl-3.12", log, [*rl_pip, "--no-deps", VERL], env) and run(
+                    "rl-3.12", log, [*rl_pip, "-c", constraints, "-r", RL_REQUIREMENTS], env
+                )
+            if not ok:
+                _jobs["rl-3.12"][1].append(1)
+            _jobs["rl-3.12"][0].set()
 
     for target in (downloads, builds):
         threading.Thread(target=target, daemon=True).start()
     atexit.register(lambda: [p.terminate() for p in _job_procs if p.poll() is None])
-    then = f", then Megatron Bridge over it in {BRIDGE_312}" if bridge else ""
+    then = (
+        f", then Megatron Bridge over it in {BRIDGE_312} and verl and SkyRL in {RL_312}"
+        if bridge
+        else ""
+    )
     session.log(
         f"building the 3.12 world in the background: {WORLD_312}{then}, from wheels downloaded "
         f"into {WHEELS_312} (log: {BUILD_LOG_312})"
@@ -386,6 +423,10 @@ def tests_312(session: nox.Session) -> None:
     # nvidia-resiliency-ext it brings breaks a plain `import megatron.core` (the plugin's Bridge
     # CPU shims hide it). Its tests follow the files beside the suite: both streams end together.
     main, beside = _streams(lambda: world, ["tests"], BESIDE_SUITE)
+    main[0][1].extend(f"--ignore={path}" for path in RL_TESTS)
+    # verl's and SkyRL's stack audits, all tiers, where both are installed: after the suite, so
+    # that their layer is built by then and both streams end about together.
+    main.append((lambda: _built(session, "rl-3.12", RL_312), list(RL_TESTS)))
     bridge = (lambda: _built(session, "bridge-3.12", BRIDGE_312), ["-m", "e2e", BRIDGE_TESTS])
     _pytest(session, [main, [*beside, bridge]])
 

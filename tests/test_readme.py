@@ -72,8 +72,8 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ),
     (
         ".[skyrl]",
-        "installs SkyRL into the reader's environment (its transformers pin conflicts with "
-        "Megatron Bridge's, so CI's 3.12 world does not hold it)",
+        "installs SkyRL into the reader's environment; CI installs it in a layer over its "
+        "3.12 world (.ci/rl-requirements.txt)",
     ),
     (
         "--stack skyrl",
@@ -85,7 +85,8 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ),
     (
         "pip install -e .[verl]",
-        "installs verl into the reader's environment; CI installs it in its 3.12 world",
+        "installs verl into the reader's environment; CI installs it in a layer over its "
+        "3.12 world (.ci/rl-requirements.txt)",
     ),
     (
         "--stack verl",
