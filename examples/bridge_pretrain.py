@@ -106,11 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Bridge checkpoint directory whose weights the LoRA run starts from (e.g. one "
         "written by --save)",
     )
-    lora.add_argument(
-        "--save",
-        default=None,
-        help="write a Bridge (torch_dist) checkpoint into this directory after the last step",
-    )
     train = parser.add_argument_group("training")
     train.add_argument(
         "--micro-batch-size", type=positive_int, default=2, help="sequences per micro-batch"
@@ -139,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     output.add_argument(
         "--metrics-out", default=None, help="append one JSON object per iteration (rank 0)"
+    )
+    output.add_argument(
+        "--save",
+        default=None,
+        help="write a Bridge (torch_dist) checkpoint into this directory after the last step "
+        "(e.g. the base a LoRA run starts from)",
     )
     add_lossfix_args(parser)
     parser.set_defaults(loss_reduction="token_mean")
