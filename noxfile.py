@@ -33,10 +33,10 @@ work and no core left idle, not more streams.
 The Megatron-LM tests read their source trees from the folder of archives that
 ``MEGATRON_LM_ARCHIVES`` names (``<tag>.tar.gz``; ``.ci/run`` sets it) and skip, saying so in one
 line, without it. While ``tests-3.11`` runs its tests, the 3.12 world is set up in the background
-(``_start_312``): its wheels, then Megatron Bridge's
-(``.ci/bridge-requirements.txt``) and the stacks' (``.ci/rl-requirements.txt``), are downloaded
-into ``.nox/wheels-3.12`` and the virtualenvs are built from that folder (the layers without an
-index, when their downloads worked), so that ``tests-3.12`` starts its tests at once.
+(``_start_312``): its wheels, then Megatron Bridge's (``BRIDGE_REQUIREMENTS``) and the stacks'
+(``.ci/rl-requirements.txt``), are downloaded into ``.nox/wheels-3.12`` and the virtualenvs are
+built from that folder (the layers without an index, when their downloads worked), so that
+``tests-3.12`` starts its tests at once.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ WHEELS_312 = os.path.join(".nox", "wheels-3.12")
 WORLD_312 = os.path.join(".nox", "world-3.12")
 BRIDGE_312 = os.path.join(".nox", "bridge-3.12")
 BUILD_LOG_312 = os.path.join(".nox", "build-3.12.log")
-BRIDGE = "megatron-bridge==0.6.2"  # as .ci/install_bridge.sh installs it
-#: What ``.ci/install_bridge.sh`` installs beside Megatron Bridge.
-BRIDGE_REQUIREMENTS = os.path.join(".ci", "bridge-requirements.txt")
+BRIDGE = "megatron-bridge==0.6.2"  # as `python -m megatron_lossfix install-bridge` installs it
+#: What ``python -m megatron_lossfix install-bridge`` installs beside Megatron Bridge.
+BRIDGE_REQUIREMENTS = os.path.join("megatron_lossfix", "integrations", "bridge-requirements.txt")
 BRIDGE_TESTS = "tests/test_bridge.py"
 #: The verl and SkyRL stack audits' virtualenv, layered over the world like Bridge's: their
 #: transformers pin conflicts with Bridge's, and neither belongs where the suite runs. verl is

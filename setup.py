@@ -17,6 +17,8 @@ setup(
     python_requires=">=3.11",
     # The runtime and its subpackages only: tests/ and examples/ stay in the repository.
     packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
+    # What `python -m megatron_lossfix install-bridge` installs beside Megatron Bridge.
+    package_data={"megatron_lossfix.integrations": ["bridge-requirements.txt"]},
     # Megatron-LM patches (python -m megatron_lossfix.patches): the repository's patches/ is the
     # only copy; a non-editable install puts them under <prefix>/share/megatron_lossfix/patches.
     data_files=[("share/megatron_lossfix/patches", sorted(glob("patches/*.patch")))],

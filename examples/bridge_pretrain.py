@@ -12,13 +12,23 @@ Launch (two layouts of the same step; their loss and grad norm agree to ~1e-7):
         --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --metrics-out out/a.jsonl
     torchrun --standalone --nproc-per-node 2 examples/bridge_pretrain.py \
         --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --metrics-out out/b.jsonl
-Add --loss-reduction off to see stock Bridge disagree with itself. Needs megatron-bridge
-(.ci/install_bridge.sh installs it where its full install cannot build).
+Add --loss-reduction off to see stock Bridge disagree with itself.
+
+LoRA through Bridge's own PEFT (``ConfigContainer.peft = LoRA(...)``, base frozen; the reported
+grad norm is the adapters'), from a model saved by a first run:
+    torchrun --standalone --nproc-per-node 1 examples/bridge_pretrain.py \
+        --micro-batch-size 8 --global-batch-size 8 --train-iters 1 --save out/base
+    torchrun --standalone --nproc-per-node 2 examples/bridge_pretrain.py --micro-batch-size 1 \
+        --global-batch-size 8 --train-iters 3 --lora-rank 4 --pretrained-checkpoint out/base
+MoE: --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff C
+(the aux loss stays stock Megatron's). Needs megatron-bridge (`python -m megatron_lossfix
+install-bridge` installs it, also where its full install cannot build).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +62,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     par = parser.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=positive_int, default=1, help="TP size")
     par.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1, help="PP size")
+    par.add_argument(
+        "--expert-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="EP size: the experts are split over this many data-parallel ranks",
+    )
+    moe = parser.add_argument_group("mixture of experts (Megatron-Core's MoE layer)")
+    moe.add_argument(
+        "--num-experts",
+        type=positive_int,
+        default=None,
+        help="experts per MoE layer (every layer); default: dense MLPs",
+    )
+    moe.add_argument(
+        "--moe-router-topk", type=positive_int, default=2, help="experts each token is routed to"
+    )
+    moe.add_argument(
+        "--moe-aux-loss-coeff",
+        type=non_negative_float,
+        default=0.0,
+        help="load-balancing loss coefficient; the aux loss and its gradient stay stock "
+        "Megatron's (not renormalized by the plugin)",
+    )
+    lora = parser.add_argument_group("LoRA (Megatron Bridge's own PEFT)")
+    lora.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        default=None,
+        help="fine-tune with Bridge's LoRA of this rank on every linear layer (attention and "
+        "MLP), base weights frozen; needs --pretrained-checkpoint",
+    )
+    lora.add_argument(
+        "--lora-alpha",
+        type=positive_int,
+        default=None,
+        help="LoRA scaling numerator (the adapter output is scaled by alpha / rank); "
+        "default: the rank",
+    )
+    lora.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="Bridge checkpoint directory whose weights the LoRA run starts from (e.g. one "
+        "written by --save)",
+    )
     train = parser.add_argument_group("training")
     train.add_argument(
         "--micro-batch-size", type=positive_int, default=2, help="sequences per micro-batch"
@@ -81,9 +135,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     output.add_argument(
         "--metrics-out", default=None, help="append one JSON object per iteration (rank 0)"
     )
+    output.add_argument(
+        "--save",
+        default=None,
+        help="write a Bridge (torch_dist) checkpoint into this directory after the last step "
+        "(e.g. the base a LoRA run starts from)",
+    )
     add_lossfix_args(parser)
     parser.set_defaults(loss_reduction="token_mean")
     args = parser.parse_args(argv)
+    if args.lora_rank is None and (args.lora_alpha or args.pretrained_checkpoint):
+        parser.error("--lora-alpha and --pretrained-checkpoint need --lora-rank")
+    if args.lora_rank is not None and args.pretrained_checkpoint is None:
+        parser.error(
+            "--lora-rank needs --pretrained-checkpoint DIR (Bridge's PEFT starts from a saved "
+            "model; write one with --save DIR)"
+        )
+    if args.num_experts is None and args.expert_model_parallel_size > 1:
+        parser.error("--expert-model-parallel-size needs --num-experts")
+    if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
+        parser.error("--num-experts must be a multiple of --expert-model-parallel-size")
     if args.lossfix_self_check:
         parser.error("--lossfix-self-check is not wired into Bridge's loop; drop it")
     try:  # the plugin's own refusals, before start-up like the others
@@ -182,8 +253,10 @@ def _dataset_config(args: argparse.Namespace) -> Any:
 
 
 # ---------------------------------------------------------------------------------- config
-def build_config(args: argparse.Namespace) -> Any:
-    """Bridge's ConfigContainer for a tiny fp32 GPT (dropout 0, constant learning rate)."""
+def build_config(args: argparse.Namespace, built: list | None = None) -> Any:
+    """Bridge's ConfigContainer for a tiny fp32 GPT (dropout 0, constant learning rate).
+    With LoRA, the wrapped model chunks are appended to ``built`` once Bridge has made them."""
+    built = [] if built is None else built
     from megatron.bridge.training.config import (
         CheckpointConfig,
         ConfigContainer,
@@ -199,7 +272,7 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
     return ConfigContainer(
-        model=_model_provider(args),
+        model=_model_provider(args, built),
         train=TrainingConfig(
             train_iters=args.train_iters,
             micro_batch_size=args.micro_batch_size,
@@ -230,7 +303,13 @@ def build_config(args: argparse.Namespace) -> Any:
         tokenizer=TokenizerConfig(
             tokenizer_type="NullTokenizer", vocab_size=ByteTokenizer().vocab_size
         ),
-        checkpoint=CheckpointConfig(save=None),  # a demonstration: nothing to keep
+        checkpoint=CheckpointConfig(
+            save=args.save,
+            save_interval=args.train_iters if args.save else None,
+            pretrained_checkpoint=args.pretrained_checkpoint,
+            ckpt_format="torch_dist",
+        ),
+        peft=_lora(args),
         dist=DistributedInitConfig(
             distributed_backend="nccl" if torch.cuda.is_available() else "gloo"
         ),
@@ -238,7 +317,7 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _model_provider(args: argparse.Namespace) -> Any:
+def _model_provider(args: argparse.Namespace, built: list) -> Any:
     """Bridge's GPTModelProvider: local layers, fp32, no dropout and no fused kernels, so the
     run is the same on CPU and GPU."""
     from megatron.bridge.models import GPTModelProvider
@@ -271,10 +350,47 @@ def _model_provider(args: argparse.Namespace) -> Any:
         cross_entropy_loss_fusion=False,
         use_cpu_initialization=True,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        **_moe_fields(args),
     )
     # The same global weights under every layout (Bridge seeds each pipeline stage differently).
     model.register_pre_wrap_hook(_deterministic_weights(args.seed))
+    if args.lora_rank is not None:
+        # Bridge's PEFT hook (registered at setup, after ours) loads the base and adds adapters
+        # initialized per rank; seed them like the base, once the model is built.
+        model.register_post_wrap_hook(_deterministic_adapters(args.seed, built))
     return model
+
+
+def _moe_fields(args: argparse.Namespace) -> dict[str, Any]:
+    if args.num_experts is None:
+        return {}
+    return {
+        "num_moe_experts": args.num_experts,
+        "moe_router_topk": args.moe_router_topk,
+        "moe_ffn_hidden_size": 4 * args.hidden_size,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "moe_router_load_balancing_type": "aux_loss",
+        # Megatron's alltoall dispatcher passes tensor split sizes that gloo refuses.
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        # Megatron's SequentialMLP adds the expert bias in place into a custom Function's output,
+        # which autograd refuses: MoE models run without linear biases.
+        "add_bias_linear": False,
+    }
+
+
+def _lora(args: argparse.Namespace) -> Any:
+    if args.lora_rank is None:
+        return None
+    from megatron.bridge.peft.lora import LoRA
+
+    return LoRA(
+        target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        dim=args.lora_rank,
+        alpha=args.lora_alpha or args.lora_rank,
+        dropout=0.0,
+    )
 
 
 def _deterministic_weights(seed: int) -> Any:
@@ -285,6 +401,42 @@ def _deterministic_weights(seed: int) -> Any:
         return chunks
 
     return hook
+
+
+def _is_adapter(name: str) -> bool:
+    return ".adapter." in f".{name}"
+
+
+def _deterministic_adapters(seed: int, built: list) -> Any:
+    from megatron_lossfix.audit.seeded_params import set_deterministic_params
+
+    def hook(chunks: list) -> list:
+        set_deterministic_params(chunks, seed, only=_is_adapter)
+        built.extend(chunks)
+        return chunks
+
+    return hook
+
+
+def report_lora_grads(chunks: list) -> str:
+    """One line naming, on this rank, the parameters whose gradient of the last step is nonzero:
+    LoRA adapters only when the base is frozen (Megatron's DDP gives frozen parameters no
+    gradient buffer)."""
+    from megatron_lossfix.audit.seeded_params import unwrap
+
+    adapters, base = 0, []
+    for chunk in chunks:
+        for name, param in unwrap(chunk).named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is None or not bool(grad.abs().sum() > 0):
+                continue
+            if _is_adapter(name):
+                adapters += 1
+            else:
+                base.append(name)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return f"lora grads: rank {rank}: adapters {adapters}, base {json.dumps(base)}"
 
 
 # ---------------------------------------------------------------------------------- main
@@ -309,7 +461,10 @@ def main(argv: list[str] | None = None) -> None:
             f"world={os.environ.get('WORLD_SIZE', '1')}",
             flush=True,
         )
-    pretrain(build_config(args), lossfix_forward_step)
+    built: list = []
+    pretrain(build_config(args, built), lossfix_forward_step)
+    if args.lora_rank is not None:
+        print(report_lora_grads(built), flush=True)
 
 
 if __name__ == "__main__":

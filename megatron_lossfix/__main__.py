@@ -3,6 +3,7 @@
 Commands:
   audit    run the gradient invariance matrix on this machine (``megatron_lossfix.audit``)
   patches  apply, check or revert our Megatron-LM patches (``megatron_lossfix.integrations``)
+  install-bridge  install Megatron Bridge into this environment (``integrations.install_bridge``)
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "check every reduction mode's gradient against a one-rank reference over parallel "
         "layouts; writes audit.json (and audit.png with matplotlib), exits 1 on a miss",
         "megatron_lossfix.audit.command",
+    ),
+    "install-bridge": (
+        "install Megatron Bridge 0.6.2 into this Python's environment (3.12, megatron-core "
+        "0.19; CPU or CUDA); refuses another Python or megatron-core in one line",
+        "megatron_lossfix.integrations.install_bridge",
     ),
     "patches": (
         "apply, check or revert the Megatron-LM patches that add the flags to pretrain_gpt.py",

@@ -5,8 +5,11 @@ records whose loss masks vary between sequences, 2 iterations. With the plugin, 
 (DP2 with more micro-batches, TP2, PP2) agree on the loss and grad norm to 1e-6; stock Bridge
 (``--loss-reduction off``) does not; Bridge's logged ``lm loss`` is the step's loss L.
 
-Skipped where megatron-bridge is not installed (``.ci/install_bridge.sh`` installs it). The
-packed-batch boundary tests need no Bridge and always run.
+Bridge's own LoRA (``ConfigContainer.peft``, from a base model a first run saves) and MoE (EP2 and
+a DP/micro-batch split; with the aux loss on, stock Megatron's aux gradient) run the same way.
+
+Skipped where megatron-bridge is not installed (``python -m megatron_lossfix install-bridge``
+installs it). The packed-batch boundary tests need no Bridge and always run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from megatron_lossfix.integrations.bridge import bridge_cu_seqlens
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
 needs_bridge = pytest.mark.skipif(
-    not HAVE_BRIDGE, reason="megatron-bridge is not installed (.ci/install_bridge.sh)"
+    not HAVE_BRIDGE,
+    reason="megatron-bridge is not installed (python -m megatron_lossfix install-bridge)",
 )
 
 #: A tiny model and 8 sequences per step: 4 micro-batches on one rank.
@@ -43,6 +47,25 @@ LAYOUTS = {
     "tp2": (2, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "2"]),
     "pp2": (2, ["--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
+#: Bridge's own LoRA (rank 4 on every linear layer, base frozen) from a saved base model: the
+#: same layouts. ``{base}`` is the checkpoint the ``lora-base`` run writes.
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", "{base}"]
+LAYOUTS.update({f"lora-{k}": (n, [*flags, *LORA]) for k, (n, flags) in list(LAYOUTS.items())})
+#: One iteration of plain training, one micro-batch, saved: the model LoRA fine-tunes.
+BASE = (1, ["--micro-batch-size", "8", "--train-iters", "1", "--save", "{base}"])
+#: MoE (4 experts, top-2, allgather dispatcher). EP2 runs 4 micro-batches of 1 on each of 2
+#: ranks, dp2-m4 one micro-batch of 4 on each (the experts whole on every rank).
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+AUX = ["--moe-aux-loss-coeff", "0.01"]
+EP2 = ["--micro-batch-size", "1", "--expert-model-parallel-size", "2"]
+LAYOUTS.update(
+    {
+        "moe-1rank": (1, ["--micro-batch-size", "2", *MOE]),
+        "moe-ep2": (2, [*EP2, *MOE]),
+        "moe-dp2-m4": (2, ["--micro-batch-size", "4", *MOE]),
+        "moe-aux-ep2": (2, [*EP2, *MOE, *AUX]),
+    }
+)
 #: (layout, reduction) runs checked against 1 rank. sequence_mean counts sequences over DP and
 #: on the last pipeline stage, so it runs on DP2 and PP2; under TP2 every rank sees the same
 #: sequences (the gradient oracle covers TP x sequence_mean), so TP2 runs token_mean only.
@@ -67,6 +90,7 @@ def _env() -> dict[str, str]:
 
 
 _RUNS: dict[tuple[str, str], tuple[list[dict], str]] = {}
+_LORA_GRADS = re.compile(r"lora grads: rank (\d+): adapters (\d+), base (\[.*\])")
 
 
 def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
@@ -78,27 +102,55 @@ def _runs(tmp_path_factory: pytest.TempPathFactory, *keys: tuple[str, str]) -> l
     """:func:`_run` of each ``(layout, reduction)``; those not run yet start side by side where
     the cores allow (a one-rank run beside a two-rank one)."""
     missing = [key for key in dict.fromkeys(keys) if key not in _RUNS]
+    if any(layout.startswith("lora-") for layout, _ in missing):
+        base = _lora_base(tmp_path_factory)
     commands, outs = [], []
     for layout, reduction in missing:
         nproc, flags = LAYOUTS[layout]
+        if layout.startswith("lora-"):
+            flags = [flag.format(base=base) for flag in flags]
         out = tmp_path_factory.mktemp(f"bridge_{layout}_{reduction}")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), str(ROOT / "examples" / "bridge_pretrain.py"),
-            *COMMON, *flags, "--loss-reduction", reduction,
-            "--metrics-out", str(out / "metrics.jsonl"),
-        ]  # fmt: skip
-        commands.append(Command(cmd=cmd, nproc=nproc, cwd=out, env=_env()))
+        commands.append(_command(nproc, [*flags, "--loss-reduction", reduction], out))
         outs.append(out)
     done = run_side_by_side(commands, timeout=1800)
     for (layout, reduction), out, (returncode, output) in zip(missing, outs, done, strict=True):
         if returncode != 0:
             pytest.fail(f"{layout}/{reduction} failed:\n{output[-8000:]}")
-        metrics = out / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        records = _records(out)
         assert [r["iteration"] for r in records] == [1, 2], records
         _RUNS[layout, reduction] = (records, output)
     return [_RUNS[key] for key in keys]
+
+
+def _command(nproc: int, flags: list[str], out: Path) -> Command:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), str(ROOT / "examples" / "bridge_pretrain.py"),
+        *COMMON, *flags, "--metrics-out", str(out / "metrics.jsonl"),
+    ]  # fmt: skip
+    return Command(cmd=cmd, nproc=nproc, cwd=out, env=_env())
+
+
+def _records(out: Path) -> list[dict]:
+    metrics = out / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+_BASE: list[Path] = []
+
+
+def _lora_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of plain training (Bridge's PEFT starts from a saved model); once."""
+    if not _BASE:
+        out = tmp_path_factory.mktemp("bridge_lora_base")
+        nproc, flags = BASE
+        base = out / "base"
+        command = _command(nproc, [flag.format(base=base) for flag in flags], out)
+        ((returncode, output),) = run_side_by_side([command], timeout=1800)
+        if returncode != 0:
+            pytest.fail(f"saving the LoRA base failed:\n{output[-8000:]}")
+        _BASE.append(base)
+    return _BASE[0]
 
 
 @pytest.mark.e2e
@@ -145,6 +197,85 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
     for value, record in zip(printed, records, strict=True):
         # Printed with 7 significant digits: off by at most 5e-7 relative.
         assert _rel(value, record["loss"]) <= RTOL, (value, record)
+
+
+# ---------------------------------------------------------------------------------- LoRA
+@pytest.mark.e2e
+@needs_bridge
+@pytest.mark.parametrize("layout, reduction", CHECKED)
+def test_bridge_lora_layouts_agree(layout, reduction, tmp_path_factory):
+    """Bridge's own LoRA (``ConfigContainer.peft``) from a saved base: the same loss and adapter
+    grad norm on 2 ranks as on 1, and only adapters get a gradient (the base is frozen)."""
+    (ref, _), (got, log) = _runs(
+        tmp_path_factory, ("lora-1rank", reduction), (f"lora-{layout}", reduction)
+    )
+    for r, g in zip(ref, got, strict=True):
+        assert g["num_tokens"] == r["num_tokens"] > 0
+        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
+        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    _assert_only_adapters_have_grads(log, nproc=LAYOUTS[f"lora-{layout}"][0])
+
+
+def _assert_only_adapters_have_grads(log: str, nproc: int) -> None:
+    """Every rank reports nonzero gradients on its adapters and none on the base weights."""
+    reports = _LORA_GRADS.findall(log)
+    assert sorted(int(rank) for rank, _, _ in reports) == list(range(nproc)), log[-3000:]
+    for rank, adapters, base in reports:
+        assert int(adapters) > 0 and json.loads(base) == [], (rank, adapters, base)
+
+
+@pytest.mark.e2e
+@needs_bridge
+def test_bridge_lora_stock_differs(tmp_path_factory):
+    """Stock Bridge's LoRA gradient changes with the micro-batch split; the plugin's does not."""
+    (ref, log), (got, _) = _runs(tmp_path_factory, ("lora-1rank", "off"), ("lora-dp2", "off"))
+    assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
+    exact, _ = _run("lora-1rank", "token_mean", tmp_path_factory)
+    assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3
+    _assert_only_adapters_have_grads(log, nproc=1)
+
+
+# ---------------------------------------------------------------------------------- MoE
+@pytest.mark.e2e
+@needs_bridge
+@pytest.mark.parametrize("layout", ["moe-ep2", "moe-dp2-m4"])
+def test_bridge_moe_layouts_agree(layout, tmp_path_factory):
+    """MoE, aux-loss coefficient 0: EP2 and a DP/micro-batch split agree with 1 rank (loss and
+    the grad norm over every expert), where stock Bridge does not."""
+    (ref, _), (got, _) = _runs(
+        tmp_path_factory, ("moe-1rank", "token_mean"), (layout, "token_mean")
+    )
+    for r, g in zip(ref, got, strict=True):
+        assert g["num_tokens"] == r["num_tokens"] > 0
+        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
+        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+
+
+@pytest.mark.e2e
+@needs_bridge
+def test_bridge_moe_stock_differs(tmp_path_factory):
+    (ref, _), (got, _) = _runs(tmp_path_factory, ("moe-1rank", "off"), ("moe-ep2", "off"))
+    assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
+
+
+_AUX_LOSS = re.compile(r"load_balancing_loss: ([0-9.E+-]+)")
+
+
+@pytest.mark.e2e
+@needs_bridge
+def test_bridge_moe_aux_loss_is_stock(tmp_path_factory):
+    """With the aux-loss coefficient above 0 the load-balancing term is stock Megatron's, for
+    the same layout (EP2, 4 micro-batches a rank). token_mean_legacy reproduces stock's main
+    loss exactly, so its full gradient equals stock's only if the aux gradient is stock's too;
+    the logged load_balancing_loss is stock's."""
+    (plugin, plugin_log), (stock, stock_log) = _runs(
+        tmp_path_factory, ("moe-aux-ep2", "token_mean_legacy"), ("moe-aux-ep2", "off")
+    )
+    for p, s in zip(plugin, stock, strict=True):
+        assert _rel(p["grad_norm"], s["grad_norm"]) <= RTOL, (p, s)
+    aux = [_AUX_LOSS.findall(log) for log in (plugin_log, stock_log)]
+    assert len(aux[0]) == 2 and float(aux[0][0]) > 0, plugin_log[-3000:]
+    assert aux[0] == aux[1]
 
 
 @pytest.mark.e2e

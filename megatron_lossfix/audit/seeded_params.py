@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -94,14 +94,19 @@ def _full_value(seed: int, name: str, shape: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def set_deterministic_params(model_chunks: list, seed: int) -> None:
+def set_deterministic_params(
+    model_chunks: list, seed: int, only: Callable[[str], bool] | None = None
+) -> None:
     """Set every parameter from (seed, canonical name, full shape), then keep this rank's shard.
 
     Every layout then holds the same global weights as a 1-rank model. Call it before building an
-    optimizer (which may copy the parameters into its own main params).
+    optimizer (which may copy the parameters into its own main params). ``only``: a predicate on
+    the canonical name choosing which parameters to set (e.g. adapters added to a loaded model).
     """
     for chunk in model_chunks:
         for name, param, info in canonical_params(chunk):
+            if only is not None and not only(name):
+                continue
             shape = list(param.shape)
             dim = info["dim"]
             if dim is not None:

@@ -138,6 +138,7 @@ def _patch_torch_cuda_bookkeeping() -> None:
 
 def _patch_bridge() -> None:
     import functools
+    import importlib.util
 
     from megatron.bridge.data import loaders
     from megatron.bridge.training import initialize, setup
@@ -153,6 +154,14 @@ def _patch_bridge() -> None:
     # The model-parallel RNG tracker is seeded only when torch.cuda.device_count() > 0; without
     # it, building any tensor-parallel layer fails.
     initialize._set_random_seed = with_one_device(initialize._set_random_seed)
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.bridge.peft import module_matcher
+        from megatron.bridge.peft import utils as peft_utils
+
+        # Without Transformer Engine megatron-core defines its TE classes as mocks, which
+        # Bridge's PEFT counts as Transformer Engine being there: LoRA would then test every
+        # layer against the mocks (a TypeError) instead of taking Megatron's own linear layers.
+        peft_utils.HAVE_TE = module_matcher.HAVE_TE = False
     build_loader = loaders.build_pretraining_data_loader
     # Pinned host memory needs a CUDA driver.
     loaders.build_pretraining_data_loader = functools.wraps(build_loader)(

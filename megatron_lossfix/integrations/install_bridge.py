@@ -1,0 +1,120 @@
+"""``python -m megatron_lossfix install-bridge``: install Megatron Bridge into this environment.
+
+Run it with the Python of the environment to install into; that environment must already hold
+torch and megatron-core 0.19 on Python 3.12 or newer (what Bridge 0.6 needs). It refuses anything
+else in one line before touching the environment.
+
+Why not ``pip install megatron-bridge==0.6.2``: on a machine without CUDA it fails, because a
+dependency (fast-hadamard-transform) builds CUDA code; so do flashinfer, transformer-engine and
+others Bridge lists but its GPT training loop never imports. So: Bridge without its
+dependencies, then what ``pretrain()`` imports (``bridge-requirements.txt`` beside this file),
+with torch and megatron-core held at the environment's own versions. Never
+``pip install megatron``: an unrelated PyPI project that breaks the ``megatron`` namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["BRIDGE", "REQUIREMENTS", "environment_problem", "main"]
+
+BRIDGE = "megatron-bridge==0.6.2"
+#: What Bridge's GPT training loop imports, installed beside it (one requirement a line).
+REQUIREMENTS = Path(__file__).with_name("bridge-requirements.txt")
+PYTHON_MIN = (3, 12)
+CORE_LINE = "0.19"
+#: The one line that makes an environment Bridge can go into (README's, beside the quick start).
+MAKE_ENV = (
+    "python3.12 -m venv .venv312 && .venv312/bin/pip install -q torch==2.13.0 "
+    "megatron-core==0.19.2 -e . && .venv312/bin/python -m megatron_lossfix install-bridge"
+)
+_SMOKE = """
+from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
+enable_cpu_bridge()
+from megatron.bridge.training.pretrain import pretrain
+import megatron.bridge
+print("megatron-bridge", megatron.bridge.__version__, "imports")
+"""
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment_problem(
+    python: tuple[int, ...] | None = None,
+    versions: dict[str, str | None] | None = None,
+) -> str | None:
+    """One line saying why this environment cannot take Bridge 0.6, or None when it can.
+
+    ``python`` and ``versions`` (distribution -> version or None) default to this interpreter's.
+    """
+    python = tuple(sys.version_info[:3]) if python is None else python
+    if versions is None:
+        versions = {name: _version(name) for name in ("torch", "megatron-core")}
+    found = ".".join(map(str, python))
+    if python[:2] < PYTHON_MIN:
+        return (
+            f"Megatron Bridge 0.6 needs Python >= 3.12 and megatron-core {CORE_LINE}; this is "
+            f"Python {found} ({sys.executable}). Make a 3.12 environment and install there: "
+            f"{MAKE_ENV}"
+        )
+    if versions.get("torch") is None:
+        return "torch is not installed in this environment; install it first: pip install torch"
+    core = versions.get("megatron-core")
+    if core is None or not (core == CORE_LINE or core.startswith(CORE_LINE + ".")):
+        have = "not installed" if core is None else f"megatron-core {core}"
+        return (
+            f"Megatron Bridge 0.6 needs megatron-core {CORE_LINE}.x; this environment has "
+            f"{have}: pip install megatron-core==0.19.2 first"
+        )
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check this environment, then install Bridge and what its training loop imports."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_lossfix install-bridge",
+        description="Install Megatron Bridge 0.6.2 into the environment of this Python (3.12 "
+        "or newer, with torch and megatron-core 0.19 already installed), CUDA or not.",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the environment: print what is wrong in one line, exit non-zero",
+    )
+    args = parser.parse_args(list(argv or []))
+    problem = environment_problem()
+    if problem is not None:
+        print(f"megatron_lossfix install-bridge: {problem}", file=sys.stderr)
+        return 2
+    if args.check:
+        print("megatron_lossfix install-bridge: this environment can take Megatron Bridge 0.6")
+        return 0
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as pins:
+        # Bridge's requirements must not move torch or megatron-core.
+        pins.write(f"torch=={_version('torch')}\nmegatron-core=={_version('megatron-core')}\n")
+        pins.flush()
+        for cmd in (
+            [*pip, "--no-deps", BRIDGE],
+            [*pip, "-c", pins.name, "-r", str(REQUIREMENTS)],
+            [sys.executable, "-W", "ignore", "-c", _SMOKE],
+        ):
+            if subprocess.run(cmd).returncode != 0:
+                print(f"megatron_lossfix install-bridge: failed: {' '.join(cmd)}", file=sys.stderr)
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``python -m megatron_lossfix install-bridge`` refuses a wrong environment in one line.
+
+Bridge 0.6 needs Python >= 3.12 and megatron-core 0.19; the installer says what is wrong in one
+line on stderr and exits non-zero before running pip (no traceback, nothing installed).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lossfix.__main__ import main as cli
+from megatron_lossfix.integrations import install_bridge
+
+pytestmark = pytest.mark.unit
+
+GOOD = {"torch": "2.13.0", "megatron-core": "0.19.2"}
+
+
+@pytest.mark.parametrize(
+    "python, versions, names",
+    [
+        ((3, 11, 7), GOOD, ["Python >= 3.12", "3.11.7", "python3.12 -m venv"]),
+        ((3, 12, 1), {**GOOD, "megatron-core": "0.16.1"}, ["megatron-core 0.16.1", "0.19.2"]),
+        ((3, 12, 1), {**GOOD, "megatron-core": "0.190.0"}, ["megatron-core 0.190.0"]),
+        ((3, 12, 1), {**GOOD, "megatron-core": None}, ["not installed"]),
+        ((3, 12, 1), {**GOOD, "torch": None}, ["torch is not installed"]),
+    ],
+)
+def test_environment_problem_names_what_to_change(python, versions, names):
+    problem = install_bridge.environment_problem(python, versions)
+    assert problem is not None and "\n" not in problem
+    for name in names:
+        assert name in problem, problem
+
+
+def test_environment_problem_accepts_bridges_environment():
+    assert install_bridge.environment_problem((3, 12, 1), GOOD) is None
+    assert (
+        install_bridge.environment_problem((3, 13, 0), {**GOOD, "megatron-core": "0.19.0"}) is None
+    )
+
+
+def _no_pip(*args, **kwargs):
+    raise AssertionError(f"ran {args} although the environment was refused")
+
+
+@pytest.mark.parametrize("wrong", ["python", "megatron-core"])
+def test_install_bridge_refuses_in_one_line(wrong, monkeypatch, capsys):
+    """Through the command line: exit status 2, one line on stderr, pip never runs."""
+    if wrong == "python":
+        monkeypatch.setattr(install_bridge, "PYTHON_MIN", (sys.version_info[0] + 1, 0))
+    else:
+        versions = {**GOOD, "megatron-core": "0.16.1"}
+        monkeypatch.setattr(install_bridge, "_version", versions.get)
+    monkeypatch.setattr(subprocess, "run", _no_pip)
+    assert cli(["install-bridge"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("megatron_lossfix install-bridge: ") and "Traceback" not in err
