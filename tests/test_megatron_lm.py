@@ -23,11 +23,9 @@ from helpers.megatron_lm_run import (
     skip_reason,
     tags_to_test,
     tiny_gpt_args,
-    unpack_tag,
 )
 from test_examples import max_rel_diff
 
-from megatron_lossfix.integrations import patches
 from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MegatronLMLossFix,
@@ -227,20 +225,11 @@ class _Runs:
         stock run that ``test_validation_loss_is_layout_invariant`` compares with (the layouts'
         training runs read only the weights)."""
         if (checkout, model) not in self.copies:
-            from helpers.megatron_lm_run import (
-                checkout_null_tokenizer_eod,
-                reuse_installed_helpers,
-                save_initial_checkpoint,
-                write_padded_dataset,
-            )
+            from helpers.megatron_lm_run import prepare_tree, save_initial_checkpoint
 
             n = self._attempts  # a fresh folder per attempt: a failed one leaves its own behind
             self._attempts += 1
-            copy = unpack_tag(ARCHIVES, checkout, self.root / f"megatron-lm-{n}")
-            patches.apply(copy)
-            reuse_installed_helpers(copy)
-            eod = checkout_null_tokenizer_eod(copy)
-            data = write_padded_dataset(self.root / f"data-{n}" / "padded", eod=eod)
+            copy, eod, data = prepare_tree(ARCHIVES, checkout, self.root / f"megatron-lm-{n}")
             args = _validation_args(data, eod, micro_batch_size=1) + MODELS[model]
             load, result = save_initial_checkpoint(copy, args, self.root / f"init-{n}")
             self.copies[checkout, model] = (copy, eod, data, load)

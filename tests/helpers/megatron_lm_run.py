@@ -40,7 +40,9 @@ __all__ = [
     "RunResult",
     "checkout_null_tokenizer_eod",
     "megatron_lm_env",
+    "logged_values",
     "patched_copy",
+    "prepare_tree",
     "reuse_installed_helpers",
     "run_pretrain_gpt",
     "run_pretrain_gpts",
@@ -162,6 +164,19 @@ def save_initial_checkpoint(
     return ["--load", str(dest), "--finetune", "--no-load-optim", "--no-load-rng"], result
 
 
+def prepare_tree(
+    folder: str | os.PathLike, tag: str, dest: str | os.PathLike
+) -> tuple[Path, int, str]:
+    """Unpack ``tag`` from ``folder`` into ``dest``, patch it and write the masked data there:
+    returns the tree, its NullTokenizer EOD id and the data prefix (``--data-path``)."""
+    dest = Path(dest)
+    tree = unpack_tag(folder, tag, dest)
+    patches.apply(tree)
+    reuse_installed_helpers(tree)
+    eod = checkout_null_tokenizer_eod(tree)
+    return tree, eod, write_padded_dataset(dest / "data" / "padded", eod=eod)
+
+
 def reuse_installed_helpers(megatron_lm_path: str | os.PathLike) -> bool:
     """Put the installed megatron-core's compiled dataset helpers into a Megatron-LM tree whose
     ``helpers.cpp`` is the same file, so that the ``make`` its first run calls has nothing to do
@@ -245,6 +260,13 @@ def checkout_null_tokenizer_eod(megatron_lm_path: str | os.PathLike) -> int:
 _LOG_LINE = re.compile(
     r"iteration\s+(\d+)/.*?lm loss: ([0-9.eE+-]+) \|.*?grad norm: ([0-9.eE+-]+) \|"
 )
+
+
+def logged_values(output: str, name: str) -> dict[int, str]:
+    """Iteration -> the value of ``name`` (e.g. ``load_balancing_loss``) on Megatron-LM's
+    training log lines, as printed."""
+    pattern = re.compile(rf"iteration\s+(\d+)/.*?\| {re.escape(name)}: ([0-9.eE+-]+) \|")
+    return {int(m[1]): m[2] for m in pattern.finditer(output)}
 
 
 @dataclass
