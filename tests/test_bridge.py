@@ -64,6 +64,7 @@ LAYOUTS.update(
         "moe-ep2": (2, [*EP2, *MOE]),
         "moe-dp2-m4": (2, ["--micro-batch-size", "4", *MOE]),
         "moe-aux-ep2": (2, [*EP2, *MOE, *AUX]),
+        "moe-aux-dp2-m4": (2, ["--micro-batch-size", "4", *MOE, *AUX]),
     }
 )
 #: (layout, reduction) runs checked against 1 rank. sequence_mean counts sequences over DP and
@@ -76,6 +77,8 @@ CHECKED = [
     ("dp2", "sequence_mean"),
     ("pp2", "sequence_mean"),
 ]
+#: LoRA runs every layout in both modes: the issue's table has TP2 x sequence_mean too.
+LORA_CHECKED = [*CHECKED, ("tp2", "sequence_mean")]
 RTOL = 1e-6
 _LM_LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
 
@@ -202,8 +205,8 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
 # ---------------------------------------------------------------------------------- LoRA
 @pytest.mark.e2e
 @needs_bridge
-@pytest.mark.parametrize("layout, reduction", CHECKED)
-def test_bridge_lora_layouts_agree(layout, reduction, tmp_path_factory):
+@pytest.mark.parametrize("layout, reduction", LORA_CHECKED)
+def test_bridge_lora_layouts_agree(layout, reduction, tmp_path_factory, report_figure):
     """Bridge's own LoRA (``ConfigContainer.peft``) from a saved base: the same loss and adapter
     grad norm on 2 ranks as on 1, and only adapters get a gradient (the base is frozen)."""
     (ref, _), (got, log) = _runs(
@@ -214,6 +217,10 @@ def test_bridge_lora_layouts_agree(layout, reduction, tmp_path_factory):
         assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
         assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
     _assert_only_adapters_have_grads(log, nproc=LAYOUTS[f"lora-{layout}"][0])
+    pairs = list(zip(ref, got, strict=True))
+    loss, norm = (max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
+    report_figure(f"Bridge LoRA {layout} {reduction}: max rel diff loss {loss:.1e}, "
+                  f"grad norm {norm:.1e}")  # fmt: skip
 
 
 def _assert_only_adapters_have_grads(log: str, nproc: int) -> None:
@@ -263,19 +270,24 @@ _AUX_LOSS = re.compile(r"load_balancing_loss: ([0-9.E+-]+)")
 
 @pytest.mark.e2e
 @needs_bridge
-def test_bridge_moe_aux_loss_is_stock(tmp_path_factory):
+@pytest.mark.parametrize("layout", ["moe-aux-ep2", "moe-aux-dp2-m4"])
+def test_bridge_moe_aux_loss_is_stock(layout, tmp_path_factory, report_figure):
     """With the aux-loss coefficient above 0 the load-balancing term is stock Megatron's, for
-    the same layout (EP2, 4 micro-batches a rank). token_mean_legacy reproduces stock's main
-    loss exactly, so its full gradient equals stock's only if the aux gradient is stock's too;
-    the logged load_balancing_loss is stock's."""
+    the same layout (EP2, 4 micro-batches of 1 a rank; DP2, one micro-batch of 4 a rank).
+    token_mean_legacy reproduces stock's main loss exactly, so its full gradient equals
+    stock's only if the aux gradient is stock's too; the logged load_balancing_loss is
+    stock's."""
     (plugin, plugin_log), (stock, stock_log) = _runs(
-        tmp_path_factory, ("moe-aux-ep2", "token_mean_legacy"), ("moe-aux-ep2", "off")
+        tmp_path_factory, (layout, "token_mean_legacy"), (layout, "off")
     )
     for p, s in zip(plugin, stock, strict=True):
         assert _rel(p["grad_norm"], s["grad_norm"]) <= RTOL, (p, s)
     aux = [_AUX_LOSS.findall(log) for log in (plugin_log, stock_log)]
     assert len(aux[0]) == 2 and float(aux[0][0]) > 0, plugin_log[-3000:]
     assert aux[0] == aux[1]
+    norms = [", ".join(f"{r['grad_norm']:.7f}" for r in run) for run in (plugin, stock)]
+    report_figure(f"Bridge MoE {layout} aux 0.01: grad norm {norms[0]} (stock {norms[1]}), "
+                  f"load_balancing_loss {aux[0]}")  # fmt: skip
 
 
 @pytest.mark.e2e
