@@ -14,8 +14,9 @@ Launch (two layouts of the same step; their loss and grad norm agree to ~1e-7):
         --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --metrics-out out/b.jsonl
 Add --loss-reduction off to see stock Bridge disagree with itself.
 
-LoRA through Bridge's own PEFT (``ConfigContainer.peft = LoRA(...)``, base frozen; the reported
-grad norm is the adapters'), from a model saved by a first run:
+LoRA through Bridge's own PEFT (``megatron.bridge.peft.lora.LoRA``, base frozen; the reported
+grad norm is the adapters'), from a model saved by a first run (``ConfigContainer.peft``, which
+Bridge allows only with a saved model), or without --pretrained-checkpoint on the seeded base:
     torchrun --standalone --nproc-per-node 1 examples/bridge_pretrain.py \
         --micro-batch-size 8 --global-batch-size 8 --train-iters 1 --save out/base
     torchrun --standalone --nproc-per-node 2 examples/bridge_pretrain.py --micro-batch-size 1 \
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=positive_int,
         default=None,
         help="fine-tune with Bridge's LoRA of this rank on every linear layer (attention and "
-        "MLP), base weights frozen; needs --pretrained-checkpoint",
+        "MLP), base weights frozen: the --pretrained-checkpoint model's, else the seeded base",
     )
     lora.add_argument(
         "--lora-alpha",
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrained-checkpoint",
         default=None,
         help="Bridge checkpoint directory whose weights the LoRA run starts from (e.g. one "
-        "written by --save)",
+        "written by --save); LoRA then goes through Bridge's ConfigContainer.peft",
     )
     train = parser.add_argument_group("training")
     train.add_argument(
@@ -146,11 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.lora_rank is None and (args.lora_alpha or args.pretrained_checkpoint):
         parser.error("--lora-alpha and --pretrained-checkpoint need --lora-rank")
-    if args.lora_rank is not None and args.pretrained_checkpoint is None:
-        parser.error(
-            "--lora-rank needs --pretrained-checkpoint DIR (Bridge's PEFT starts from a saved "
-            "model; write one with --save DIR)"
-        )
     if args.num_experts is None and args.expert_model_parallel_size > 1:
         parser.error("--expert-model-parallel-size needs --num-experts")
     if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
@@ -309,7 +305,9 @@ def build_config(args: argparse.Namespace, built: list | None = None) -> Any:
             pretrained_checkpoint=args.pretrained_checkpoint,
             ckpt_format="torch_dist",
         ),
-        peft=_lora(args),
+        # Bridge's own PEFT path requires a saved model; without one the model provider applies
+        # the same LoRA to the seeded base (_model_provider).
+        peft=_lora(args) if args.pretrained_checkpoint else None,
         dist=DistributedInitConfig(
             distributed_backend="nccl" if torch.cuda.is_available() else "gloo"
         ),
@@ -354,6 +352,8 @@ def _model_provider(args: argparse.Namespace, built: list) -> Any:
     )
     # The same global weights under every layout (Bridge seeds each pipeline stage differently).
     model.register_pre_wrap_hook(_deterministic_weights(args.seed))
+    if args.lora_rank is not None and args.pretrained_checkpoint is None:
+        model.register_pre_wrap_hook(_lora(args))  # Bridge's PEFT call: freeze, add adapters
     if args.lora_rank is not None:
         # Bridge's PEFT hook (registered at setup, after ours) loads the base and adds adapters
         # initialized per rank; seed them like the base, once the model is built.

@@ -51,6 +51,10 @@ LAYOUTS = {
 #: same layouts. ``{base}`` is the checkpoint the ``lora-base`` run writes.
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--pretrained-checkpoint", "{base}"]
 LAYOUTS.update({f"lora-{k}": (n, [*flags, *LORA]) for k, (n, flags) in list(LAYOUTS.items())})
+#: The same LoRA without a saved model: the example applies it to its seeded base itself.
+SEEDED_LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+LAYOUTS.update({f"seeded-lora-{k}": (LAYOUTS[k][0], [*LAYOUTS[k][1], *SEEDED_LORA])
+                for k in ("1rank", "dp2")})  # fmt: skip
 #: One iteration of plain training, one micro-batch, saved: the model LoRA fine-tunes.
 BASE = (1, ["--micro-batch-size", "8", "--train-iters", "1", "--save", "{base}"])
 #: MoE (4 experts, top-2, allgather dispatcher). EP2 runs 4 micro-batches of 1 on each of 2
@@ -229,6 +233,28 @@ def _assert_only_adapters_have_grads(log: str, nproc: int) -> None:
     assert sorted(int(rank) for rank, _, _ in reports) == list(range(nproc)), log[-3000:]
     for rank, adapters, base in reports:
         assert int(adapters) > 0 and json.loads(base) == [], (rank, adapters, base)
+
+
+@pytest.mark.e2e
+@needs_bridge
+def test_bridge_lora_on_the_seeded_base(tmp_path_factory, report_figure):
+    """``--lora-rank`` without ``--pretrained-checkpoint``: Bridge's LoRA on the example's seeded
+    base agrees between 1 rank and DP2 (more micro-batches), gives only adapters a gradient, and
+    stock Bridge's does not agree."""
+    runs = _runs(tmp_path_factory, *((f"seeded-lora-{k}", mode) for mode in ("token_mean", "off")
+                                     for k in ("1rank", "dp2")))  # fmt: skip
+    (ref, _), (got, log), (stock_ref, _), (stock, _) = runs
+    for r, g in zip(ref, got, strict=True):
+        assert g["num_tokens"] == r["num_tokens"] > 0
+        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
+        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    _assert_only_adapters_have_grads(log, nproc=2)
+    assert _rel(stock[0]["grad_norm"], stock_ref[0]["grad_norm"]) > 1e-3, (stock_ref, stock)
+    pairs = list(zip(ref, got, strict=True))
+    loss, norm = (max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
+    report_figure(f"Bridge LoRA on the seeded base, DP2: max rel diff loss {loss:.1e}, grad norm "
+                  f"{norm:.1e}; stock grad norm {stock[0]['grad_norm']:.4f} vs "
+                  f"{stock_ref[0]['grad_norm']:.4f}")  # fmt: skip
 
 
 @pytest.mark.e2e

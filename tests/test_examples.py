@@ -260,8 +260,23 @@ def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, a
         (["--micro-batch-size", "0"], "argument --micro-batch-size: must be a positive integer"),
         (["--loss-norm-constant", "5"], "applies only to reduction seq_mean_token_sum_norm"),
         (["--lossfix-self-check"], "--lossfix-self-check is not wired into Bridge's loop"),
+        (["--lora-alpha", "8"], "--lora-alpha and --pretrained-checkpoint need --lora-rank"),
+        (["--lora-rank", "0"], "argument --lora-rank: must be a positive integer"),
+        (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size needs --num-experts"),
+        (["--num-experts", "3", "--expert-model-parallel-size", "2"], "must be a multiple of"),
+        (["--moe-aux-loss-coeff", "-1"], "argument --moe-aux-loss-coeff: must be"),
     ],
-    ids=["lr", "mbs0", "norm-constant", "self-check"],
+    ids=[
+        "lr",
+        "mbs0",
+        "norm-constant",
+        "self-check",
+        "lora-alpha",
+        "lora-rank0",
+        "ep",
+        "experts",
+        "aux",
+    ],
 )
 def test_bridge_mistakes_end_in_one_line(scripts, capsys, monkeypatch, args, message):
     """Checked before Bridge or Megatron is imported (Bridge need not be installed)."""
