@@ -88,7 +88,7 @@ BESIDE_SUITE = (
     "tests/test_examples.py",
 )
 #: e2e tests CI leaves out, for time: Megatron-LM's MoE and resize runs and Bridge's LoRA and
-#: MoE runs, 41 torchrun launches (about 24 minutes on two cores) where CI has none to spare.
+#: MoE runs, 45 torchrun launches (about 26 minutes on two cores) where CI has none to spare.
 #: They run wherever Megatron-LM's archives and Bridge are installed (README, "Tests": their
 #: command, figures and times), and in ``tests-3.12`` given as its arguments.
 BY_HAND = (
