@@ -91,6 +91,17 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
+def _assert_agree(ref: list[dict], got: list[dict]) -> tuple[float, float]:
+    """Each iteration of ``got`` has ``ref``'s token count (> 0), loss and grad norm to
+    ``RTOL``; the largest relative differences of loss and of grad norm."""
+    for r, g in zip(ref, got, strict=True):
+        assert g["num_tokens"] == r["num_tokens"] > 0
+        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
+        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    pairs = list(zip(ref, got, strict=True))
+    return tuple(max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
+
+
 def _env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
@@ -167,11 +178,9 @@ def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
     """Same loss, grad norm and token count on 2 ranks as on 1, at both iterations (the second
     after an optimizer step taken from the first step's gradient)."""
     (ref, _), (got, _) = _runs(tmp_path_factory, ("1rank", reduction), (layout, reduction))
+    _assert_agree(ref, got)
     for r, g in zip(ref, got, strict=True):
-        assert g["num_tokens"] == r["num_tokens"] > 0
         assert g["num_sequences"] == r["num_sequences"]
-        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
-        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
 
 
 @pytest.mark.e2e
@@ -216,13 +225,8 @@ def test_bridge_lora_layouts_agree(layout, reduction, tmp_path_factory, report_f
     (ref, _), (got, log) = _runs(
         tmp_path_factory, ("lora-1rank", reduction), (f"lora-{layout}", reduction)
     )
-    for r, g in zip(ref, got, strict=True):
-        assert g["num_tokens"] == r["num_tokens"] > 0
-        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
-        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    loss, norm = _assert_agree(ref, got)
     _assert_only_adapters_have_grads(log, nproc=LAYOUTS[f"lora-{layout}"][0])
-    pairs = list(zip(ref, got, strict=True))
-    loss, norm = (max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
     report_figure(f"Bridge LoRA {layout} {reduction}: max rel diff loss {loss:.1e}, "
                   f"grad norm {norm:.1e}")  # fmt: skip
 
@@ -244,14 +248,9 @@ def test_bridge_lora_on_the_seeded_base(tmp_path_factory, report_figure):
     runs = _runs(tmp_path_factory, *((f"seeded-lora-{k}", mode) for mode in ("token_mean", "off")
                                      for k in ("1rank", "dp2")))  # fmt: skip
     (ref, _), (got, log), (stock_ref, _), (stock, _) = runs
-    for r, g in zip(ref, got, strict=True):
-        assert g["num_tokens"] == r["num_tokens"] > 0
-        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
-        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    loss, norm = _assert_agree(ref, got)
     _assert_only_adapters_have_grads(log, nproc=2)
     assert _rel(stock[0]["grad_norm"], stock_ref[0]["grad_norm"]) > 1e-3, (stock_ref, stock)
-    pairs = list(zip(ref, got, strict=True))
-    loss, norm = (max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
     report_figure(f"Bridge LoRA on the seeded base, DP2: max rel diff loss {loss:.1e}, grad norm "
                   f"{norm:.1e}; stock grad norm {stock[0]['grad_norm']:.4f} vs "
                   f"{stock_ref[0]['grad_norm']:.4f}")  # fmt: skip
@@ -278,10 +277,7 @@ def test_bridge_moe_layouts_agree(layout, tmp_path_factory):
     (ref, _), (got, _) = _runs(
         tmp_path_factory, ("moe-1rank", "token_mean"), (layout, "token_mean")
     )
-    for r, g in zip(ref, got, strict=True):
-        assert g["num_tokens"] == r["num_tokens"] > 0
-        assert _rel(g["loss"], r["loss"]) <= RTOL, (r, g)
-        assert _rel(g["grad_norm"], r["grad_norm"]) <= RTOL, (r, g)
+    _assert_agree(ref, got)
 
 
 @pytest.mark.e2e
