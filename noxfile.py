@@ -399,7 +399,7 @@ def _pytest(session: nox.Session, streams: list[list[Run]]) -> None:
 
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
-    """ruff, as ruff.toml says."""
+    """ruff, as pyproject.toml says."""
     session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -1,12 +1,18 @@
 """Packaging for megatron_lossfix: exact, layout-invariant loss normalization for Megatron-Core."""
 
+import re
 from glob import glob
 
 from setuptools import find_packages, setup
 
+# The one place the version is written: megatron_lossfix/__init__.py.
+with open("megatron_lossfix/__init__.py", encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M).group(1)
+
 setup(
     name="megatron_lossfix",
-    version="0.1.0",
+    version=VERSION,
+    license="Apache-2.0",
     description=(
         "Exact global loss normalization for Megatron-Core: the same gradient under any "
         "micro-batch size and TP/PP/DP/CP/EP layout, for SFT and RL losses."
@@ -51,6 +57,8 @@ setup(
         # requirements need no GPU. (CI installs it --no-deps with the few its Megatron path
         # imports: see README, "verl".)
         "verl": ["verl==0.9.1"],
+        # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },
     entry_points={
         "console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"],
@@ -58,6 +66,7 @@ setup(
         "verl.plugins": ["megatron_lossfix=megatron_lossfix.integrations.verl"],
     },
     classifiers=[
+        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",

@@ -316,9 +316,10 @@ MACHINE_PATH = re.compile(
     r"(?<![\w.:/~$}\-])/(?:work|tmp|home|root|Users|mnt|scratch|media|var/tmp)/[\w.\-]"
 )
 
-#: Where the rule applies: the package, tests, examples, docs and the README.
-CHECKED = ("megatron_lossfix", "tests", "examples", "docs", "README.md", "setup.py", "patches")
-SUFFIXES = {".py", ".md", ".sh", ".patch", ".txt", ".toml", ".cfg", ".ini", ".json"}
+#: Where the rule applies: the package, tests, examples, docs, CI and the project's own files.
+CHECKED = ("megatron_lossfix", "tests", "examples", "docs", "patches", ".ci", "README.md",
+           "CHANGELOG.md", "setup.py", "pyproject.toml", "noxfile.py")  # fmt: skip
+SUFFIXES = {".py", ".md", ".sh", ".patch", ".txt", ".toml", ".cfg", ".ini", ".json", ".yml", ""}
 
 
 def _checked_files() -> list[Path]:

@@ -7,6 +7,7 @@ import inspect
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,19 @@ import pytest
 import megatron_lossfix
 
 pytestmark = pytest.mark.unit
+
+
+def test_the_version_is_written_once():
+    """setup.py reads ``__version__`` from the package; pyproject.toml states none."""
+    repo = Path(__file__).resolve().parents[1]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", megatron_lossfix.__version__)
+    assert megatron_lossfix.__version__ not in (repo / "setup.py").read_text()
+    pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
+    assert "version" not in pyproject.get("project", {})
+    metadata = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=repo, capture_output=True, text=True
+    )
+    assert metadata.stdout.strip().splitlines()[-1] == megatron_lossfix.__version__
 
 
 def test_public_api_is_declared_and_importable():
