@@ -104,7 +104,9 @@ def rl_objective(
     """Weighted RL objective ``sum(w * (pg + kl_coef * KL - entropy_coef * H))`` and its stats.
 
     Args:
-        logprobs, old_logprobs: ``[b, s]``; ``advantages``: ``[b, s]`` or ``[b]``.
+        logprobs: ``[b, s]`` log-probs of the current policy.
+        old_logprobs: ``[b, s]`` log-probs of the policy that sampled the rollouts.
+        advantages: ``[b, s]`` or ``[b]``.
         weights: ``[b, s]`` plugin weights (globally normalized, zero off the loss mask).
         loss_mask: ``[b, s]`` 0/1 (or bool) mask of loss tokens; used for counts and to keep
             garbage on masked positions (padding) out of the loss.
