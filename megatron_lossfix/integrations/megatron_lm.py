@@ -169,7 +169,7 @@ class _Recording:
         return self.last
 
 
-def _accepts_kwarg(func: Callable, name: str) -> bool:
+def accepts_kwarg(func: Callable, name: str) -> bool:
     try:
         params = inspect.signature(func).parameters
     except (TypeError, ValueError):  # builtins, C callables: let the call decide
@@ -318,7 +318,7 @@ class MegatronLMLossFix:
                     "megatron_lossfix: packed (THD) or hybrid context-parallel batches are not "
                     "supported with --loss-reduction yet; use --context-parallel-size 1"
                 )
-            if not _accepts_kwarg(loss_func, LOSS_KWARG):
+            if not accepts_kwarg(loss_func, LOSS_KWARG):
                 raise TypeError(
                     "megatron_lossfix: the loss function returned by forward_step does not "
                     "accept lossfix=...; apply our patch to this Megatron-LM checkout "
@@ -366,12 +366,33 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     ``--lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
     Refuses combinations that would silently bypass the plugin.
     """
+    if getattr(args, "perform_rl_step", False):  # train_rl.py: its own micro-batches and loss
+        from megatron_lossfix.integrations import megatron_lm_rl
+
+        return megatron_lm_rl.wrap_forward_backward_func(forward_backward_func, args)
     config = from_args(args)
     if config is None:
         return forward_backward_func
     if isinstance(forward_backward_func, MegatronLMLossFix):
         # train() asked the module for its schedule after _route_evaluation replaced it.
         forward_backward_func = forward_backward_func.inner
+    reasons = incompatible_settings(args)
+    if reasons:
+        raise ValueError(
+            "megatron_lossfix: --loss-reduction cannot be combined with " + "; ".join(reasons)
+        )
+    wrapper = MegatronLMLossFix(
+        config, forward_backward_func, getattr(args, "lossfix_metrics_out", None)
+    )
+    if wrapper.metrics_out is not None:
+        record_train_steps(wrapper)
+    _route_evaluation(config, args)
+    return wrapper
+
+
+def incompatible_settings(args: argparse.Namespace) -> list[str]:
+    """The Megatron-LM settings ``--loss-reduction`` cannot be combined with, as flags (they
+    would bypass the plugin or break what it assumes); empty when there are none."""
     reasons = []
     if getattr(args, "modelopt_enabled", False):
         reasons.append("ModelOpt (its loss_func replaces pretrain_gpt's)")
@@ -390,17 +411,7 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     ):
         # Megatron-LM then balances CP shards per sequence; our weights are sliced plainly.
         reasons.append("--dataloader-inter-document-masking with context parallelism")
-    if reasons:
-        raise ValueError(
-            "megatron_lossfix: --loss-reduction cannot be combined with " + "; ".join(reasons)
-        )
-    wrapper = MegatronLMLossFix(
-        config, forward_backward_func, getattr(args, "lossfix_metrics_out", None)
-    )
-    if wrapper.metrics_out is not None:
-        _record_train_steps(wrapper)
-    _route_evaluation(config, args)
-    return wrapper
+    return reasons
 
 
 def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
@@ -434,7 +445,7 @@ def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
     training.get_forward_backward_func = get_forward_backward_func
 
 
-def _record_train_steps(wrapper: MegatronLMLossFix) -> None:
+def record_train_steps(wrapper: MegatronLMLossFix) -> None:
     """Make ``training.train_step`` append one JSON line per step to ``--lossfix-metrics-out``.
 
     The log prints the grad norm with 3 decimals; comparisons across layouts need all of them.
