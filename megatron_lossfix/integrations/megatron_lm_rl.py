@@ -75,14 +75,18 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     be re-split), a mode outside :data:`RL_MODES`, and what the ``pretrain_gpt.py`` integration
     refuses (:func:`~megatron_lossfix.integrations.megatron_lm.incompatible_settings`).
     """
-    config = from_args(args)  # a missing --loss-norm-constant, ... : LossFixConfig's own line
+    mode = getattr(args, "loss_reduction", None)
+    if mode is not None and mode not in RL_MODES:
+        raise ValueError(
+            f"megatron_lossfix: --loss-reduction {mode} is not available in Megatron-LM's RL "
+            f"loop (train_rl.py); use one of {', '.join(RL_MODES)}"
+        )
+    try:
+        config = from_args(args)  # a missing --loss-norm-constant, ...: LossFixConfig's line
+    except ValueError as exc:
+        raise ValueError(f"megatron_lossfix: {exc}") from None
     if config is None:
         return None
-    if config.reduction not in RL_MODES:
-        raise ValueError(
-            f"megatron_lossfix: --loss-reduction {config.reduction} is not available in "
-            f"Megatron-LM's RL loop (train_rl.py); use one of {', '.join(RL_MODES)}"
-        )
     reasons = megatron_lm.incompatible_settings(args)
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         reasons.append(f"--context-parallel-size {args.context_parallel_size} (use 1)")

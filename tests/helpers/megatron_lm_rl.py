@@ -52,8 +52,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from helpers.megatron_lm_run import Launch, checkout_null_tokenizer_eod
-
 PLAN_ENV = "LOSSFIX_RL_PLAN"
 
 __all__ = [
@@ -151,6 +149,8 @@ def write_plan(
     out: str | os.PathLike | None = None,
 ) -> Path:
     """Write a plan for the checkout at ``megatron_lm_path`` (see the module docstring)."""
+    from helpers.megatron_lm_run import checkout_null_tokenizer_eod
+
     path = Path(path)
     tree = Path(megatron_lm_path).resolve()
     plan = {"train_rl": str(tree / "train_rl.py"), "eod": checkout_null_tokenizer_eod(tree),
@@ -184,8 +184,10 @@ def rl_args(*, train_iters: int, per_token: bool = False, nproc: int = 1) -> lis
 
 def rl_launch(
     megatron_lm_path: str | os.PathLike, plan: str | os.PathLike, args: Sequence[str], nproc: int
-) -> Launch:
+) -> Any:
     """The launch of this file in place of ``train_rl.py`` with ``plan``."""
+    from helpers.megatron_lm_run import Launch
+
     return Launch(megatron_lm_path=megatron_lm_path, args=list(args), nproc=nproc,
                   script=Path(__file__).resolve(),
                   env={PLAN_ENV: str(Path(plan).resolve())})  # fmt: skip
@@ -349,6 +351,8 @@ def main(argv: Sequence[str]) -> None:
             help="the rollouts of every iteration (rollout_sets)",
         )
         options = parser.parse_args(argv[1:])
+        from helpers.megatron_lm_run import checkout_null_tokenizer_eod
+
         eod = checkout_null_tokenizer_eod(options.megatron_lm_path)
         iterations = [{"rollouts": rollout_sets(eod)[options.set]}]
         print(write_plan(options.plan, options.megatron_lm_path, iterations))
