@@ -71,6 +71,11 @@ def record_numbers(metrics: dict, logged: float | None) -> dict:
 #: The keyword our patch adds to ``pretrain_gpt.loss_func``.
 LOSS_KWARG = "lossfix"
 
+#: What :func:`wrap_forward_backward_func` builds for ``train_rl.py`` (``--perform-rl-step``):
+#: ``megatron_lm_rl.wrap_forward_backward_func``, set when the patched ``train_rl.py`` imports
+#: that module (which builds on this one).
+rl_step: Callable[[Callable, argparse.Namespace], Any] | None = None
+
 
 # ---------------------------------------------------------------------------------- flags
 def add_args_provider(
@@ -153,12 +158,15 @@ class _ReceivedMasks:
         return {self._mask_key: mask}
 
 
-class _Recording:
+class Recording:
     """Passes ``next()`` through and remembers the last item (the micro-batch forward_step
-    read, holding the weights the plugin attached)."""
+    read, holding the weights the plugin attached). With ``item_key``, a dict item holding
+    that key is passed on as its value (the script's own item, which the plugin's micro-batch
+    dict carries: ``megatron_lm_rl``)."""
 
-    def __init__(self, source: Iterator) -> None:
+    def __init__(self, source: Iterator, item_key: str | None = None) -> None:
         self._source = source
+        self._item_key = item_key
         self.last: Any = None
 
     def __iter__(self) -> Iterator:
@@ -166,6 +174,8 @@ class _Recording:
 
     def __next__(self) -> Any:
         self.last = next(self._source)
+        if self._item_key is not None and isinstance(self.last, Mapping):
+            return self.last.get(self._item_key, self.last)
         return self.last
 
 
@@ -280,14 +290,18 @@ class MegatronLMLossFix:
         return result
 
     def _loss_stage_iterators(self, data_iterator: Any, tp_group: Any, tp_rank: int) -> Any:
-        key = self.config.loss_mask_key
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
-        if tp_rank == 0:
-            if iterators[-1] is not None:
-                iterators[-1] = MasksToDevice(iterators[-1], key, tp_group)
-        else:
-            iterators[-1] = _ReceivedMasks(key, tp_group)
+        iterators[-1] = self._loss_chunk_iterator(iterators[-1], tp_group, tp_rank)
         return iterators if isinstance(data_iterator, list) else iterators[0]
+
+    def _loss_chunk_iterator(self, source: Any, tp_group: Any, tp_rank: int) -> Any:
+        """What the plugin reads on the loss stage: ``pretrain_gpt``'s batches with their masks
+        on the device; on tensor-parallel ranks other than 0 (no data iterator), the masks
+        received from TP rank 0."""
+        key = self.config.loss_mask_key
+        if tp_rank > 0:
+            return _ReceivedMasks(key, tp_group)
+        return None if source is None else MasksToDevice(source, key, tp_group)
 
     def _wrap_forward_step(
         self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
@@ -302,7 +316,7 @@ class MegatronLMLossFix:
                 batch = next(data_iterator)
                 inner = data_iterator
             else:
-                inner = _Recording(data_iterator) if data_iterator is not None else None
+                inner = Recording(data_iterator) if data_iterator is not None else None
             output, loss_func = forward_step_func(inner, model, *args, **kwargs)
             if batch is None and inner is not None:
                 batch = inner.last
@@ -367,9 +381,13 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     Refuses combinations that would silently bypass the plugin.
     """
     if getattr(args, "perform_rl_step", False):  # train_rl.py: its own micro-batches and loss
-        from megatron_lossfix.integrations import megatron_lm_rl
-
-        return megatron_lm_rl.wrap_forward_backward_func(forward_backward_func, args)
+        if rl_step is None:
+            raise TypeError(
+                "megatron_lossfix: --perform-rl-step, but train_rl.py does not import "
+                "megatron_lossfix.integrations.megatron_lm_rl; apply our patch to this "
+                "Megatron-LM checkout (python -m megatron_lossfix.patches apply PATH)"
+            )
+        return rl_step(forward_backward_func, args)
     config = from_args(args)
     if config is None:
         return forward_backward_func

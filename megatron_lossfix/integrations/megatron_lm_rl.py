@@ -10,17 +10,16 @@ path). With ``--loss-reduction MODE`` the patched ``train_rl.py`` runs the step 
 :class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix`, as the patched
 ``pretrain_gpt.py`` does:
 
-- :class:`RLMicroBatches` turns each micro-batch ``train_rl.forward_step`` would read into what
-  the plugin reads (:func:`rl_micro_batch`): the loss mask of the log-prob positions, and for a
-  packed bin the sequence boundaries. A *sequence* is one trajectory row as Megatron-LM forms
-  them: one per turn up to core_v0.19, one per rollout whose turns form a prefix chain on main
-  (its fallback, and every turn before, one row per turn). Padding rows and empty bins have no
-  loss token: they weigh exactly 0 and count nowhere.
-- ``train_rl.forward_step`` reads its own item back (:class:`_RLItems`) and its ``loss_func``
-  receives ``lossfix=``: a callable that returns ``(sum(w * l), num_tokens, report)`` with this
-  micro-batch's weights, reports ``lm loss`` so that Megatron-LM logs the mode's global loss, and
-  the other RL terms (KL, ratios, entropy, truncation) as token means without phantom tokens.
-  Nothing in it synchronizes with the host.
+- :func:`rl_micro_batch` turns each micro-batch ``train_rl.forward_step`` would read into what
+  the plugin reads: the loss mask of the log-prob positions and, for a packed bin, the sequence
+  boundaries. A *sequence* is one trajectory row as Megatron-LM forms them: one per turn up to
+  core_v0.19; on main one per rollout whose turns form a prefix chain, and one per turn of any
+  other. Padding rows and empty bins have no loss token: they weigh exactly 0 and count nowhere.
+- ``train_rl.forward_step`` reads its own item back (``megatron_lm.Recording``), and its
+  ``loss_func`` receives ``lossfix=``: a callable that returns ``(sum(w * l), num_tokens,
+  report)`` with this micro-batch's weights, reports ``lm loss`` so that Megatron-LM logs the
+  mode's global loss, and the other RL terms (KL, ratios, entropy, truncation) as token means
+  without phantom tokens. Nothing in it synchronizes with the host.
 - :func:`check_args` refuses, before the first step and on every rank (each rank runs the same
   check on the same flags), what the plugin cannot make exact here.
 
@@ -46,7 +45,6 @@ __all__ = [
     "ITEM_KEY",
     "RL_MODES",
     "MegatronLMRLLossFix",
-    "RLMicroBatches",
     "add_args_provider",
     "check_args",
     "enable_cpu_megatron_lm",
@@ -155,49 +153,28 @@ def rl_micro_batch(item: Any, mask_key: str, cu_seqlens_key: str) -> dict:
     return {mask_key: mask, ITEM_KEY: item}
 
 
-class RLMicroBatches:
-    """The loss stage's data iterator of a ``train_rl.py`` step, yielding :func:`rl_micro_batch`
-    dicts (every tensor-parallel rank builds the RL data itself: nothing is broadcast)."""
-
-    def __init__(self, source: Iterator, config: LossFixConfig) -> None:
-        self._source = source
-        self._config = config
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> dict:
-        item = next(self._source)
-        return rl_micro_batch(item, self._config.loss_mask_key, self._config.cu_seqlens_key)
-
-
-class _RLItems:
-    """What ``train_rl.forward_step`` reads: each dict's original item; remembers the dict."""
-
-    def __init__(self, source: Iterator) -> None:
-        self._source = source
-        self.last: Any = None
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        self.last = next(self._source)
-        if isinstance(self.last, Mapping) and ITEM_KEY in self.last:
-            return self.last[ITEM_KEY]
-        return self.last
+def _rl_micro_batches(source: Any, mask_key: str, cu_seqlens_key: str) -> Iterator[dict]:
+    """:func:`rl_micro_batch` of each item of ``source`` (an iterator: Megatron-LM's
+    ``RerunDataIterator`` has ``__next__`` only)."""
+    while True:
+        try:
+            item = next(source)
+        except StopIteration:
+            return
+        yield rl_micro_batch(item, mask_key, cu_seqlens_key)
 
 
 class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
     """:class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix` for the step of
-    ``train_rl.py``: its micro-batches (:class:`RLMicroBatches`), its ``forward_step`` reading
+    ``train_rl.py``: its micro-batches (:func:`rl_micro_batch`), its ``forward_step`` reading
     them back, and its ``loss_func``'s RL reports."""
 
-    def _loss_stage_iterators(self, data_iterator: Any, tp_group: Any, tp_rank: int) -> Any:
-        iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
-        if iterators[-1] is not None:
-            iterators[-1] = RLMicroBatches(iterators[-1], self.config)
-        return iterators if isinstance(data_iterator, list) else iterators[0]
+    def _loss_chunk_iterator(self, source: Any, tp_group: Any, tp_rank: int) -> Any:
+        """The RL micro-batches as the plugin reads them (:func:`rl_micro_batch`); every
+        tensor-parallel rank builds the RL data itself, so nothing is broadcast."""
+        if source is None:
+            return None
+        return _rl_micro_batches(source, self.config.loss_mask_key, self.config.cu_seqlens_key)
 
     def _wrap_forward_step(
         self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
@@ -205,7 +182,9 @@ class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
         weights_key = self.config.weights_key
 
         def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
-            items = _RLItems(data_iterator) if data_iterator is not None else None
+            items = (
+                None if data_iterator is None else megatron_lm.Recording(data_iterator, ITEM_KEY)
+            )
             output, loss_func = forward_step_func(items, model, *args, **kwargs)
             batch = None if items is None else items.last
             weights = batch.get(weights_key) if isinstance(batch, Mapping) else None
@@ -243,3 +222,7 @@ class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
             value = (term.float().reshape(mask.shape) * mask).sum()
             report[name] = torch.stack([value.detach(), count])
         return loss, num_tokens, report
+
+
+# The patched training.py asks megatron_lm for the step; for train_rl.py it is this one.
+megatron_lm.rl_step = wrap_forward_backward_func
