@@ -92,12 +92,23 @@ def _enable_rl_training_step() -> None:
     - ``rl_utils.get_logprobs`` passes ``fp32_output=`` to the model, which only
       ``Float16Module`` takes (and consumes); an fp32 model on CPU has no ``Float16Module``, and
       its output already is fp32, so ``GPTModel.forward`` drops the keyword.
+    - The RL code marks NVTX ranges (``get_nvtx_range``), which a CPU-only torch build lacks:
+      there they do nothing.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     if getattr(DotProductAttention.forward, "_lossfix_thd", False):
         return
+    # Megatron-LM's RL code marks NVTX ranges; a CPU-only torch build has none (they raise).
+    from torch.cuda import nvtx
+
+    try:
+        nvtx.range_push("megatron_lossfix")
+        nvtx.range_pop()
+    except RuntimeError:
+        nvtx.range_push = lambda msg: 0
+        nvtx.range_pop = lambda: 0
     DotProductAttention.forward = _attend_per_segment(DotProductAttention.forward)
     GPTModel.forward = _without_fp32_output(GPTModel.forward)
 
