@@ -107,11 +107,12 @@ BY_HAND = (
 )
 #: What Megatron-LM's ``pretrain_gpt.py`` (``megatron/training``) and its schedule tests import
 #: beyond megatron-core; triton comes with torch's CUDA build but not with the CPU wheel. Then
-#: what ``train_rl.py`` (``megatron/rl``, ``megatron/inference``) imports besides.
+#: what ``train_rl.py`` (``megatron/rl``, ``megatron/inference``) imports besides (at
+#: core_v0.16.1 its chat templates import transformers too).
 _TRAIN_RL_DEPS = ("tensorboard", "wandb", "httpx", "fastapi", "uvicorn", "openai", "tqdm")
 MEGATRON_LM_DEPS = {
     "3.11": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "triton",
-             "pytest-mock", *_TRAIN_RL_DEPS),
+             "pytest-mock", *_TRAIN_RL_DEPS, "transformers"),
     "3.12": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "pytest-mock",
              *_TRAIN_RL_DEPS),
 }  # fmt: skip
