@@ -59,6 +59,8 @@ class Launch:
     args: Sequence[str] = ()
     nproc: int = 1
     cwd: str | os.PathLike | None = None
+    #: ``script`` names a module, run as ``python -m`` runs it (``sys.path[0]`` is ``cwd``).
+    module: bool = False
     #: The ranks' whole environment (default: this process's).
     env: Mapping[str, str] | None = None
     #: What the zygote imports once (``module`` or ``module:function``); with none, and with
@@ -85,12 +87,13 @@ def launch(
     cwd: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
     preload: Sequence[str] = (),
+    module: bool = False,
     torchrun: bool = False,
     timeout: float = 900,
 ) -> Result:
     """Run ``script ARGS`` on ``nproc`` ranks; see :class:`Launch`."""
     job = Launch(script=script, args=args, nproc=nproc, cwd=cwd, env=env, preload=preload,
-                 torchrun=torchrun)  # fmt: skip
+                 module=module, torchrun=torchrun)  # fmt: skip
     return launch_side_by_side([job], timeout=timeout)[0]
 
 
@@ -165,8 +168,9 @@ class _Torchrun(_Running):
         import subprocess
 
         super().__init__(log)
+        target = ["-m", str(job.script)] if job.module else [str(job.script)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(job.nproc), str(job.script), *job.args]  # fmt: skip
+               "--nproc-per-node", str(job.nproc), *target, *job.args]  # fmt: skip
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, cwd=job.cwd, env=None if job.env is None else dict(job.env), stdout=out,
@@ -197,13 +201,14 @@ class _Forked(_Running):
         self.zygote.kill(self.job_id)
 
 
-def _start(job: Launch, folder: str) -> _Running:
-    log = Path(folder) / "output.log"
+def _start(job: Launch, tmp: str) -> _Running:
+    log = Path(tmp) / "output.log"
     if job.torchrun or not job.preload:
         return _Torchrun(job, log)
     env = dict(os.environ if job.env is None else job.env)
-    folder = os.path.dirname(os.path.abspath(job.script))
-    return _zygote(env, folder, tuple(job.preload)).start(job, env, log)
+    cwd = os.path.abspath(job.cwd if job.cwd is not None else os.getcwd())
+    first_on_path = cwd if job.module else os.path.dirname(os.path.abspath(job.script))
+    return _zygote(env, first_on_path, tuple(job.preload)).start(job, env, log)
 
 
 _ZYGOTES: dict[tuple, _Zygote] = {}
@@ -264,7 +269,8 @@ class _Zygote:
     def start(self, job: Launch, env: dict[str, str], log: Path) -> _Forked:
         self.next_id += 1
         cwd = os.path.abspath(job.cwd if job.cwd is not None else os.getcwd())
-        self._send({"id": self.next_id, "script": os.path.abspath(job.script),
+        script = str(job.script) if job.module else os.path.abspath(job.script)
+        self._send({"id": self.next_id, "script": script, "module": job.module,
                     "args": [str(a) for a in job.args], "nproc": job.nproc, "cwd": cwd,
                     "env": env, "log": str(log)})  # fmt: skip
         return _Forked(self, self.next_id, log)
@@ -342,7 +348,10 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         try:
-            runpy.run_path(script, run_name="__main__")
+            if request["module"]:
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exit_:
             if exit_.code is None or isinstance(exit_.code, int):
