@@ -17,20 +17,14 @@ from pathlib import Path
 import pytest
 from helpers.launch import Launch, launch, launch_side_by_side
 
+from megatron_lossfix.audit import pool
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
 #: What the example scripts import, imported once for all their launches (helpers.launch).
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "megatron.core.distributed",
-    "megatron.core.models.gpt",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron_lossfix.audit.training",
-)
+PRELOAD = (*pool.PRELOAD, "megatron_lossfix.audit.training")
 
 
 def example_env() -> dict[str, str]:
