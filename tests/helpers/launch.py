@@ -243,7 +243,7 @@ class _Zygote:
             pass_fds=(write_fd,), text=True,
         )  # fmt: skip
         os.close(write_fd)
-        self.replies = os.fdopen(read_fd, "r")
+        self.replies, self.pending = read_fd, b""
         ready = self._read()  # blocks until the preload is imported
         if "error" in ready:
             self.close()
@@ -256,10 +256,14 @@ class _Zygote:
         return self.proc.poll() is None
 
     def _read(self) -> dict:
-        line = self.replies.readline()
-        if not line:
-            self.output.seek(0)
-            raise RuntimeError(f"the zygote exited:\n{self.output.read()[-4000:]}")
+        """The next reply, waiting for it (unbuffered: ``pump`` asks the fd what arrived)."""
+        while b"\n" not in self.pending:
+            chunk = os.read(self.replies, 1 << 16)
+            if not chunk:
+                self.output.seek(0)
+                raise RuntimeError(f"the zygote exited:\n{self.output.read()[-4000:]}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
     def _send(self, message: dict) -> None:
@@ -279,7 +283,7 @@ class _Zygote:
         """Read the replies that arrived; the finished launches not collected yet, by id."""
         import select
 
-        while select.select([self.replies], [], [], 0)[0]:
+        while b"\n" in self.pending or select.select([self.replies], [], [], 0)[0]:
             reply = self._read()
             self.done[reply["id"]] = reply
         return self.done
@@ -295,7 +299,9 @@ class _Zygote:
                 self.proc.wait(timeout=30)
             except Exception:
                 self.proc.kill()
-        self.replies.close()
+        if self.replies >= 0:
+            os.close(self.replies)
+            self.replies = -1
         self.output.close()
 
 
