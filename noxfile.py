@@ -112,6 +112,7 @@ def _layer(session: nox.Session, name: str) -> str:
 
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
+    """ruff, as ruff.toml says."""
     session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -119,12 +120,14 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
+    """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
     _install(session, LATEST["3.11"])
     _pytest(session, *RELEASE_TESTS)
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
+    """The whole suite on megatron-core 0.19.2, then Bridge's and verl's and SkyRL's tests."""
     _install(session, LATEST["3.12"])
     _pytest(session, "tests", *(f"--ignore={test}" for test in RL_TESTS))
     if session.posargs:
@@ -144,6 +147,7 @@ def tests_312(session: nox.Session) -> None:
 
 @nox.session(name="older-3.12", python="3.12", download_python="never", default=False)
 def older_312(session: nox.Session) -> None:
+    """What depends on the release, on megatron-core 0.17.1 and 0.18.2 (their Megatron-LM tags)."""
     for release in OLDER_312:
         _install(session, release)
         _pytest(session, *RELEASE_TESTS)
