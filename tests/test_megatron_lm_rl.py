@@ -403,7 +403,7 @@ def test_train_rl_refuses_before_the_first_step(rl_runs: _RLRuns) -> None:
     import socket
 
     from helpers.megatron_lm_rl import rl_args
-    from helpers.megatron_lm_run import Command, megatron_lm_env, run_side_by_side
+    from helpers.megatron_lm_run import megatron_lm_env
 
     tree = rl_runs.tree(TAGS[0])
     cases = {
@@ -411,7 +411,7 @@ def test_train_rl_refuses_before_the_first_step(rl_runs: _RLRuns) -> None:
                                       "--loss-reduction", "token_mean"],
         "--loss-norm-constant": ["--loss-reduction", "seq_mean_token_sum_norm"],
     }  # fmt: skip
-    commands = []
+    procs = []
     for flags in cases.values():
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))
@@ -421,8 +421,10 @@ def test_train_rl_refuses_before_the_first_step(rl_runs: _RLRuns) -> None:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
             env = megatron_lm_env(tree) | {k: str(v) for k, v in job.items()}
             cmd = [sys.executable, str(tree / "train_rl.py"), *rl_args(train_iters=1), *flags]
-            commands.append(Command(cmd=cmd, cwd=tree, env=env))
-    results = run_side_by_side(commands, timeout=1200)
+            procs.append(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outputs = [proc.communicate(timeout=1200)[0] for proc in procs]
+    results = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
     for k, flag in enumerate(cases):
         for rank in (0, 1):
             returncode, output = results[2 * k + rank]
