@@ -78,6 +78,9 @@ RELEASE_TESTS = (
     "tests/test_hard_layouts.py",
     "tests/test_mtp.py",
     "tests/test_megatron_lm.py::test_patched_pretrain_gpt_is_layout_invariant",
+    "tests/test_megatron_lm_rl.py::test_train_rl_plugin_is_layout_invariant",
+    "tests/test_megatron_lm_rl.py::test_train_rl_stock_moves_with_the_padding",
+    "tests/test_megatron_lm_rl.py::test_train_rl_modes_mean_what_they_say",
     "tests/test_upstream_schedules.py",
 )
 #: The test files a second pytest runs beside the rest (``_pytest``): those that launch the most
@@ -103,11 +106,15 @@ BY_HAND = (
     "tests/test_bridge.py::test_bridge_moe",
 )
 #: What Megatron-LM's ``pretrain_gpt.py`` (``megatron/training``) and its schedule tests import
-#: beyond megatron-core; triton comes with torch's CUDA build but not with the CPU wheel.
+#: beyond megatron-core; triton comes with torch's CUDA build but not with the CPU wheel. Then
+#: what ``train_rl.py`` (``megatron/rl``, ``megatron/inference``) imports besides (at
+#: core_v0.16.1 its chat templates import transformers too).
+_TRAIN_RL_DEPS = ("tensorboard", "wandb", "httpx", "fastapi", "uvicorn", "openai", "tqdm")
 MEGATRON_LM_DEPS = {
     "3.11": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "triton",
-             "pytest-mock"),
-    "3.12": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "pytest-mock"),
+             "pytest-mock", *_TRAIN_RL_DEPS, "transformers"),
+    "3.12": ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops", "pytest-mock",
+             *_TRAIN_RL_DEPS),
 }  # fmt: skip
 WHEELS_312 = os.path.join(".nox", "wheels-3.12")
 #: The 3.12 world's virtualenvs, made here rather than by nox so that they can be built while

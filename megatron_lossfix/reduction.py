@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.groups import group_size
+
 #: The plugin's modes (docs/design.md §2).
 REDUCTIONS: tuple[str, ...] = (
     "token_mean",
@@ -145,11 +147,6 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch (all CP shards), ``[M]``."""
     dp_size: int
     """D: data-parallel size (without CP)."""
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

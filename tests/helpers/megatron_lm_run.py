@@ -289,6 +289,11 @@ class Launch:
     args: Sequence[str]
     nproc: int = 1
     metrics_out: str | os.PathLike | None = None
+    script: str | os.PathLike = "pretrain_gpt.py"
+    """The script torchrun runs: a path in the checkout, or an absolute path (a test helper
+    that runs one of the checkout's scripts, e.g. ``helpers/megatron_lm_rl.py``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to :func:`megatron_lm_env`."""
 
 
 def run_pretrain_gpt(
@@ -315,11 +320,11 @@ def run_pretrain_gpts(
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(launch.nproc),
-            str(Path(launch.megatron_lm_path) / "pretrain_gpt.py"), *launch.args,
+            str(Path(launch.megatron_lm_path) / launch.script), *launch.args,
         ]  # fmt: skip
         if launch.metrics_out is not None:
             cmd += ["--lossfix-metrics-out", str(launch.metrics_out)]
-        env = megatron_lm_env(launch.megatron_lm_path)
+        env = megatron_lm_env(launch.megatron_lm_path) | launch.env
         commands.append(Command(cmd=cmd, nproc=launch.nproc, cwd=launch.megatron_lm_path, env=env))
     results = []
     done = run_side_by_side(commands, max_procs=max_procs, timeout=timeout)
