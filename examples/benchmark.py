@@ -4,9 +4,11 @@ The same GPT, data and data-parallel layout train under each variant: ``stock`` 
 ``get_forward_backward_func()``, no plugin, Megatron-LM's loss ``(sum(mask * l), mask.sum(),
 report)`` and its all-reduce of the report), ``stock-repeat`` (stock again: the noise floor),
 ``stock-per-token`` (``calculate_per_token_loss=True``), ``off`` and every mode through
-``LossFixSchedule``, and ``token_mean-per-token``. Workloads: ``sft`` (``weighted_loss`` of the
-per-token cross entropy) and ``rl`` (``megatron_lossfix.rl.objective.rl_loss`` on the logits:
-PPO-clip and a k3 KL term against fixed rollout log-probs). A step: zero the grads, the schedule
+``LossFixSchedule`` (``self_check=False``: plain steps), ``token_mean-per-token``, and
+``token_mean-first-step`` (each step checked as the first step is by default, against plain
+``token_mean`` steps). Workloads: ``sft`` (``weighted_loss`` of the per-token cross entropy)
+and ``rl`` (``megatron_lossfix.rl.objective.rl_loss`` on the logits: PPO-clip and a k3 KL term
+against fixed rollout log-probs). A step: zero the grads, the schedule
 (``fwd-bwd``: with DDP's all-reduce and ``finalize_model_grads``), ``optimizer.step()`` and the
 step's metrics (stock: Megatron-LM's all-reduce of ``lm loss``; plugin: ``step_metrics()``).
 

@@ -35,12 +35,16 @@ VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)
     "stock-per-token": (None, True),
     **{mode: (mode, False) for mode in ("off", *REDUCTIONS)},
     "token_mean-per-token": ("token_mean", True),
+    "token_mean-first-step": ("token_mean", False),  # each step checked as a first step is
 }
 RL_OBJECTIVE = {"policy_loss": "ppo", "kl_coef": 0.01}
 
 
 def baseline(name: str) -> str:
-    """The stock variant ``name`` is compared with (per-token plugin: per-token stock)."""
+    """The variant ``name`` is compared with: stock (per-token plugin: per-token stock; the
+    first step's check: a plain plugin step)."""
+    if name == "token_mean-first-step":
+        return "token_mean"
     return "stock-per-token" if name == "token_mean-per-token" else "stock"
 
 
@@ -116,8 +120,10 @@ class Bench:
         for name in set(names) - set(self.schedules):
             mode = VARIANTS[name][0]
             norm = float(args.seq_length) if mode == "seq_mean_token_sum_norm" else None
+            # Plain steps, and one variant whose every step runs the default first-step check.
+            check = {} if name.endswith("-first-step") else {"self_check": False}
             self.schedules[name] = LossFixSchedule(
-                LossFixConfig(reduction=mode, norm_constant=norm)
+                LossFixConfig(reduction=mode, norm_constant=norm, **check)
             )
         records, self.batches = load_records(None), []
         data = dict(global_batch_size=args.global_batch_size, seq_length=args.seq_length)
@@ -138,6 +144,8 @@ class Bench:
         mode, per_token = VARIANTS[name]
         (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
         mbs, args = self.batches[index % len(self.batches)], self.args
+        if getattr(schedule, "self_check", None) is not None:
+            schedule.self_check.checked = False  # this step is checked as the first one
         sync()
         t0 = time.perf_counter()
         chunks[0].zero_grad_buffer()

@@ -126,11 +126,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--lossfix-self-check",
         dict(
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=None,
             help="at the first training step, re-run the same data split into different "
-            "micro-batches and raise if the gradient changes (catches loss functions that "
-            "normalize twice or ignore the plugin's weights); costs one or two extra "
-            "forward/backward passes once. Needs --loss-reduction.",
+            "micro-batches and raise if the gradient changes (catches a loss function that "
+            "returns a mean instead of the weighted sum, or ignores the plugin's weights); "
+            "costs one or two extra forward/backward passes, once. On by default with "
+            "--loss-reduction (skipped silently where the step cannot be re-split); "
+            "--lossfix-self-check also warns or refuses there; --no-lossfix-self-check "
+            "skips it.",
         ),
     ),
     (
@@ -184,11 +188,11 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     """
     reduction = getattr(args, "loss_reduction", None)
     norm_constant = getattr(args, "loss_norm_constant", None)
-    self_check = getattr(args, "lossfix_self_check", False)
+    self_check = getattr(args, "lossfix_self_check", None)
     if reduction is None:
         if norm_constant is not None:
             raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
-        if self_check:
+        if self_check:  # asked for explicitly
             raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
         return None
     # Every other check is LossFixConfig's own: the flags and the Python API refuse alike.
@@ -213,8 +217,9 @@ def schedule_from_args(
     A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
     ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
     ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
-    ``--lossfix-self-check`` its first training step is checked (``LossFixConfig.self_check``):
-    one line with the measured gradient change when it passes, ``SelfCheckError`` when not.
+    ``--loss-reduction`` its first training step is checked unless ``--no-lossfix-self-check``
+    (``LossFixConfig.self_check``): one line with the measured gradient change when it passes,
+    ``SelfCheckError`` when not.
 
     Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.

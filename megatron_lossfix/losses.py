@@ -64,16 +64,28 @@ def loss_weights(
     norm_constant: float | None = None,
     dp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    rank_local: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
     mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`).
 
     ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
-    ``cp_group``; ``dp_group``: data-parallel group without CP. Returns float32 tensors of the
-    masks' shapes; with both groups None nothing is communicated. Raises ``ValueError`` for an
-    unknown mode, a missing or bad ``norm_constant``, or a malformed mask.
+    ``cp_group``; ``dp_group``: data-parallel group without CP (Megatron's
+    ``parallel_state.get_data_parallel_group()``). Returns float32 tensors of the masks' shapes;
+    with both groups None nothing is communicated and the masks are the whole mini-batch.
+    ``rank_local=True``: this rank's masks are its own mini-batch, whatever the world size;
+    without it, both groups None while ``torch.distributed`` runs more than one rank is refused
+    (the weights would silently be this rank's, not the step's). Raises ``ValueError`` for an
+    unknown mode, a missing or bad ``norm_constant``, a malformed mask, or that refusal.
     """
     check_mode(reduction, norm_constant, REDUCTIONS)
+    no_group = dp_group is None and cp_group is None
+    if no_group and not rank_local and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"loss_weights without dp_group on {dist.get_world_size()} ranks would weigh this "
+            "rank's masks alone: pass dp_group=parallel_state.get_data_parallel_group() (and "
+            "cp_group for context-parallel shards), or rank_local=True for rank-local weights"
+        )
     masks = float_masks(loss_masks)
     bad = bad_mask_values(masks)
     if bool(bad.any()):

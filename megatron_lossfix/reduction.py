@@ -94,9 +94,13 @@ class LossFixConfig:
     """Raise, naming micro-batch and tensor, on a NaN/Inf floating input, loss or report entry
     (device syncs per micro-batch: for debugging). Plugin modes only."""
 
-    self_check: bool = False
+    self_check: bool | None = None
     """At the first training step, re-run its data split into other micro-batches and raise
-    ``SelfCheckError`` when the gradient changes (one or two extra passes, once)."""
+    ``SelfCheckError`` when the gradient changes (one or two extra passes, once): it catches a
+    loss function that returns a mean instead of the weighted sum. ``None`` (the default): on
+    in every mode but ``off`` and ``token_mean_legacy``, skipped silently where the step
+    cannot be re-split or an integration cannot run it; ``True``: on, and refused (or warned
+    about) where it cannot run; ``False``: off (``--no-lossfix-self-check``)."""
 
     self_check_tolerance: float = 1e-5
     """The largest relative L2 gradient change the self-check accepts (about 1e-2 with bf16)."""
@@ -108,13 +112,12 @@ class LossFixConfig:
             "validate": "--lossfix-no-validate",
             "check_finite": "--lossfix-check-finite",
             "data_is_cp_sharded": "no flag",
-            "self_check": "--lossfix-self-check",
+            "self_check": "--[no-]lossfix-self-check",
         }
         for name, flag in switches.items():
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"{name} ({flag}) must be True or False, got {getattr(self, name)!r}"
-                )
+            value, default = getattr(self, name), " or None (the default)" * (name == "self_check")
+            if not isinstance(value, bool) and not (default and value is None):
+                raise ValueError(f"{name} ({flag}) must be True or False{default}, got {value!r}")
         for name in ("loss_mask_key", "weights_key", "cu_seqlens_key"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:

@@ -19,7 +19,8 @@ FROZEN = {
     "--loss-norm-constant": ("loss_norm_constant", None, None, "float"),
     "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
     "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
-    "--lossfix-self-check": ("lossfix_self_check", False, None, "store_true"),
+    # None: on with --loss-reduction (the first step is checked), --no-lossfix-self-check: off.
+    "--lossfix-self-check": ("lossfix_self_check", None, None, "[no-]flag"),
     # A finite number > 0, checked by the parser so that its error names the flag.
     "--lossfix-self-check-tolerance": (
         "lossfix_self_check_tolerance",
@@ -40,6 +41,8 @@ def _group_actions(**kwargs) -> list[argparse.Action]:
 def _kind(action: argparse.Action) -> str:
     if isinstance(action, argparse._StoreTrueAction):
         return "store_true"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "[no-]flag"
     return getattr(action.type, "__name__", "str") if action.type else "str"
 
 
@@ -113,7 +116,11 @@ def test_schedule_from_args_takes_the_mode_and_the_self_check():
     checked = _schedule([*flags, "--lossfix-self-check-tolerance", "0.01"])
     assert isinstance(checked, LossFixSchedule) and checked.config.reduction == "sum"
     assert isinstance(checked.self_check, SelfCheck) and checked.self_check.tolerance == 0.01
-    assert plain.self_check is None
+    assert isinstance(plain.self_check, SelfCheck) and not plain.self_check.explicit  # default
+    assert checked.self_check.explicit
+    opted_out = _schedule(["--loss-reduction", "sum", "--no-lossfix-self-check"])
+    assert opted_out.config.self_check is False and opted_out.self_check is None
+    assert _schedule([]).self_check is None  # off: stock, nothing to check
     with pytest.raises(ValueError, match="needs --loss-reduction"):
         _schedule(["--lossfix-self-check"])
     with pytest.raises(ValueError, match="--loss-norm-constant"):

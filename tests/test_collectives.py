@@ -234,6 +234,7 @@ def _step_counts(
                 LossFixConfig(
                     reduction=variant,
                     norm_constant=16.0 if variant == "seq_mean_token_sum_norm" else None,
+                    self_check=False,  # the step's own collectives, not the first step's check
                 )
             )
             forward_step = _plugin_forward_step

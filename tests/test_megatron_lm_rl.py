@@ -58,6 +58,7 @@ def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
     assert megatron_lm_rl.check_args(_args()) is None  # no flag: stock train_rl.py
     config = megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
     assert config.reduction == "sequence_mean"
+    assert config.self_check is False  # the default first-step check: skipped here, silently
     refused = {
         "--context-parallel-size": _args("--loss-reduction", "token_mean",
                                          context_parallel_size=2),

@@ -38,9 +38,12 @@ def test_public_api_is_declared_and_importable():
 
 def test_loss_weights_signature_is_the_contract():
     params = inspect.signature(megatron_lossfix.loss_weights).parameters
-    assert list(params) == ["loss_masks", "reduction", "norm_constant", "dp_group", "cp_group"]
+    contract = ["loss_masks", "reduction", "norm_constant", "dp_group", "cp_group"]
+    assert list(params)[:5] == contract
     assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in list(params)[2:])
-    assert all(params[p].default is None for p in list(params)[2:])
+    assert all(params[p].default is None for p in contract[2:])
+    # Beyond the contract: rank-local weights on several ranks only when asked for.
+    assert list(params)[5:] == ["rank_local"] and params["rank_local"].default is False
 
 
 def test_importing_the_package_does_not_import_megatron():

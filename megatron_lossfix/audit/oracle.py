@@ -216,8 +216,10 @@ def layout_grads(
         tiny_gpt.set_deterministic_params(chunks, case.seed)
         distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
         optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
+        # The oracle is the check here: the first-step re-split check only when a case asks.
+        kwargs = {"self_check": False, **case.schedule_kwargs}
         schedule = LossFixSchedule(
-            LossFixConfig(reduction=mode, norm_constant=case.norm_for(mode), **case.schedule_kwargs)
+            LossFixConfig(reduction=mode, norm_constant=case.norm_for(mode), **kwargs)
         )
         # No optimizer here: the gradients are gathered before _optimizer_step.
         train_step(
@@ -242,18 +244,20 @@ def layout_grads(
 
 def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
-    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
+    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D.
+    Every rank computes them for the whole mini-batch it holds (``rank_local``)."""
     from megatron_lossfix.losses import loss_weights
 
     target = "token_mean" if mode == "off" else mode
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
+        local = {"norm_constant": case.norm_for(target), "rank_local": True}
         if target != "token_mean_legacy":
-            return loss_weights([mask], target, norm_constant=case.norm_for(target))[0]
+            return loss_weights([mask], target, **local)[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
         return torch.cat(
             [
-                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
+                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target, **local))
                 for masks, sizes in zip(rank_masks, plan, strict=True)
             ]
         ) / len(plan)
