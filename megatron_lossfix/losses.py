@@ -17,11 +17,19 @@ import torch.distributed as dist
 
 from megatron_lossfix.reduction import (
     REDUCTIONS,
+    Keys,
+    bad_key_message,
+    bad_key_values,
     bad_mask_message,
     bad_mask_values,
+    canonical_mode,
+    check_keys,
     check_mode,
     count_tokens,
     float_masks,
+    group_ids_missing_message,
+    group_size,
+    keys_for_mode,
     weights_from_counts,
 )
 
@@ -64,20 +72,106 @@ def loss_weights(
     norm_constant: float | None = None,
     dp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    group_ids: Sequence[torch.Tensor] | None = None,
+    num_groups: int | None = None,
+    trajectory_ids: Sequence[torch.Tensor] | None = None,
+    num_trajectories: int | None = None,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
-    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`).
+    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`, or the alias
+    ``prompt_mean``).
 
     ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
     ``cp_group``; ``dp_group``: data-parallel group without CP. Returns float32 tensors of the
-    masks' shapes; with both groups None nothing is communicated. Raises ``ValueError`` for an
-    unknown mode, a missing or bad ``norm_constant``, or a malformed mask.
+    masks' shapes; with both groups None nothing is communicated. ``group_mean`` needs
+    ``group_ids`` (per micro-batch, one integer id per row, global over the step, in ``[0,
+    num_groups)``); the sequence modes take ``trajectory_ids`` and ``num_trajectories`` alike, to
+    count a trajectory split into several rows once. Raises ``ValueError`` for an unknown mode,
+    a missing or bad ``norm_constant``, a malformed mask, missing or bad ids (on every rank of
+    the groups when the ids are refused), or ids a mode would ignore.
     """
     check_mode(reduction, norm_constant, REDUCTIONS)
+    reduction = canonical_mode(reduction)
     masks = float_masks(loss_masks)
     bad = bad_mask_values(masks)
     if bool(bad.any()):
         raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
-    global_counts = reduction in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-    counts = count_tokens(masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group)
+    keys = _keys(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
+    if keys is not None:
+        _agree_on_keys(keys, dp_group, cp_group)
+    global_counts = reduction in (
+        "token_mean",
+        "sequence_mean",
+        "seq_mean_token_sum_norm",
+        "group_mean",
+    )
+    counts = count_tokens(
+        masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group, keys=keys
+    )
     return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)
+
+
+def _keys(
+    reduction: str,
+    masks: list[torch.Tensor],
+    group_ids: Sequence[torch.Tensor] | None,
+    num_groups: int | None,
+    trajectory_ids: Sequence[torch.Tensor] | None,
+    num_trajectories: int | None,
+) -> Keys | None:
+    """The ids ``reduction`` weights by, checked (no device sync); ids it would ignore refused."""
+    wanted = keys_for_mode(reduction)
+    given = {
+        "group": (group_ids, num_groups, "group_ids", "num_groups"),
+        "trajectory": (trajectory_ids, num_trajectories, "trajectory_ids", "num_trajectories"),
+    }
+    for kind, (ids, count, name, count_name) in given.items():
+        if kind != wanted and (ids is not None or count is not None):
+            users = "group_mean" if kind == "group" else "sequence_mean, seq_mean_token_sum_norm"
+            raise ValueError(
+                f"{name}/{count_name} apply only to {users}, not {reduction}; drop them or "
+                "change the reduction"
+            )
+    if wanted is None:
+        return None
+    ids, count, name, count_name = given[wanted]
+    if ids is None:
+        if wanted == "group":
+            raise ValueError(group_ids_missing_message())
+        if count is not None:
+            raise ValueError(f"{count_name} needs {name}")
+        return None
+    rows = [m.shape[0] for m in masks]
+    count = check_keys(ids, count, rows, name, count_name)
+    moved = [i.to(device=masks[0].device) for i in ids]
+    return Keys(ids=moved, count=count, name=name)
+
+
+def _agree_on_keys(
+    keys: Keys, dp_group: dist.ProcessGroup | None, cp_group: dist.ProcessGroup | None
+) -> None:
+    """Refuse bad ids on every rank of the groups: one small all-reduce over each group of
+    ``[1, count, count**2, bad]`` (the ranges agree exactly when ``sum(c)**2 == n * sum(c**2)``)
+    before the counts' all-reduces, whose size is the range."""
+    bad = bad_key_values(keys)
+    vec = torch.stack(
+        [
+            torch.ones((), dtype=torch.float64),
+            torch.tensor(float(keys.count), dtype=torch.float64),
+            torch.tensor(float(keys.count) ** 2, dtype=torch.float64),
+        ]
+    ).to(bad.device)
+    vec = torch.cat([vec, bad.any().double()[None]])
+    for group in (cp_group, dp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(vec, group=group)
+    n, total, squares, flagged = vec.tolist()
+    if bool(bad.any()):
+        raise ValueError(bad_key_message(keys, int(bad.nonzero()[0, 0])))
+    if flagged > 0:
+        raise ValueError(f"{keys.name} refused on another rank (see its error); every rank stops")
+    if total * total != n * squares:
+        raise ValueError(
+            f"the ranks disagree on the id range of {keys.name} (this rank: {keys.count}); give "
+            "every rank the same range"
+        )

@@ -5,6 +5,10 @@ come from the step's loss masks: loss tokens are counted per sequence and per mi
 per-sequence counts summed over the context-parallel group (a sequence is split over CP ranks),
 N and S over the data-parallel group (a sequence lives on one DP rank); never over TP or the
 world. Counts stay on the device, in float64 (float32 is exact only up to 2**24 tokens).
+
+Keyed counts (:class:`Keys`): where sequences carry a key global over the step (a prompt group's
+id for ``group_mean``, a trajectory's id for the sequence modes), loss tokens are also counted
+per key, over every micro-batch and every DP and CP rank, in one vector of the keys' range.
 """
 
 from __future__ import annotations
@@ -24,17 +28,34 @@ REDUCTIONS: tuple[str, ...] = (
     "seq_mean_token_sum_norm",
     "sum",
     "token_mean_legacy",
+    "group_mean",
 )
+#: Other names of modes: SkyRL calls ``group_mean`` over prompt groups ``prompt_mean``.
+ALIASES: dict[str, str] = {"prompt_mean": "group_mean"}
 #: Every accepted ``--loss-reduction``: the modes, and ``off`` (stock Megatron).
 MODES: tuple[str, ...] = (*REDUCTIONS, "off")
+#: The modes that weight by trajectory when sequences carry trajectory ids (a trajectory split
+#: into several rows counts once); without them each row is a sequence.
+TRAJECTORY_MODES: tuple[str, ...] = ("sequence_mean", "seq_mean_token_sum_norm")
 _COUNT_DTYPE = torch.float64
 
 
+def canonical_mode(reduction: str) -> str:
+    """The mode an alias names (``prompt_mean`` -> ``group_mean``); other names unchanged."""
+    return ALIASES.get(reduction, reduction)
+
+
 def check_mode(reduction: object, norm_constant: object, modes: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant."""
+    """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant.
+
+    ``modes`` lists the accepted names; an alias of one of them is accepted too."""
+    if isinstance(reduction, str) and ALIASES.get(reduction) in modes:
+        reduction = ALIASES[reduction]
     if not isinstance(reduction, str) or reduction not in modes:
+        aliases = ", ".join(f"{a} = {m}" for a, m in ALIASES.items() if m in modes)
         raise ValueError(
             f"unknown loss reduction {reduction!r} (--loss-reduction); choose one of {modes}"
+            + (f" (aliases: {aliases})" if aliases else "")
         )
     uses_constant = reduction == "seq_mean_token_sum_norm"
     if norm_constant is None:
@@ -79,6 +100,22 @@ class LossFixConfig:
     """Key of a packed (THD) micro-batch's cumulative sequence lengths: its ``[1, T]`` mask
     holds several sequences, each counted as its own. Without it each row is a sequence."""
 
+    group_ids_key: str = "group_ids"
+    """Key of each sequence's group id (``group_mean``: a prompt's id, the same for all its
+    responses), an integer tensor with one entry per row (packed: per ``cu_seqlens`` sequence),
+    in ``[0, batch[num_groups_key])`` and global over the step."""
+
+    num_groups_key: str = "num_groups"
+    """Key of the step's group id range (an int, the same in every micro-batch and on every
+    rank); groups without a loss token in the step neither contribute nor count."""
+
+    trajectory_ids_key: str = "trajectory_ids"
+    """Key of each sequence's trajectory id, like ``group_ids_key``: where given, the sequence
+    modes weight trajectories (a trajectory split into several rows counts once)."""
+
+    num_trajectories_key: str = "num_trajectories"
+    """Key of the step's trajectory id range, like ``num_groups_key``."""
+
     data_is_cp_sharded: bool = False
     """True when the iterator yields this rank's context-parallel shard of each sequence; False
     (Megatron-LM's convention) when ``forward_step`` slices whole sequences with
@@ -102,6 +139,7 @@ class LossFixConfig:
     def __post_init__(self) -> None:
         # The one validation: the flags (``args.from_args``) come through here too.
         check_mode(self.reduction, self.norm_constant, MODES)
+        self.reduction = canonical_mode(self.reduction)
         switches = {
             "validate": "--lossfix-no-validate",
             "check_finite": "--lossfix-check-finite",
@@ -113,7 +151,16 @@ class LossFixConfig:
                 raise ValueError(
                     f"{name} ({flag}) must be True or False, got {getattr(self, name)!r}"
                 )
-        for name in ("loss_mask_key", "weights_key", "cu_seqlens_key"):
+        keys = (
+            "loss_mask_key",
+            "weights_key",
+            "cu_seqlens_key",
+            "group_ids_key",
+            "num_groups_key",
+            "trajectory_ids_key",
+            "num_trajectories_key",
+        )
+        for name in keys:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty string (a batch key), got {value!r}")
@@ -145,6 +192,83 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch (all CP shards), ``[M]``."""
     dp_size: int
     """D: data-parallel size (without CP)."""
+    key_tokens: torch.Tensor | None = None
+    """With :class:`Keys`: the loss tokens of each key (group or trajectory), ``[num_keys]``
+    (global once reduced over DP x CP, like N)."""
+    key_ids: list[torch.Tensor] | None = None
+    """With :class:`Keys`: the key of each local sequence, one vector per micro-batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """A key per sequence, global over the step: the sequences' prompt groups (``group_mean``)
+    or trajectories (the sequence modes). Keys without a loss token in the step neither
+    contribute nor count."""
+
+    ids: list[torch.Tensor]
+    """Per micro-batch, the key of each sequence (row, or packed sequence), ``[sequences]``."""
+    count: int
+    """The keys' range: every id is in ``[0, count)``."""
+    name: str = "group_ids"
+    """What the ids are called where the user gave them (for messages)."""
+
+
+def keys_for_mode(reduction: str) -> str | None:
+    """Which ids ``reduction`` weights by: ``"group"``, ``"trajectory"`` (optional) or None."""
+    if reduction == "group_mean":
+        return "group"
+    return "trajectory" if reduction in TRAJECTORY_MODES else None
+
+
+def check_keys(ids: object, count: object, rows: Sequence[int], name: str, count_name: str) -> int:
+    """Check the ids' structure without a device sync and return the range as an int.
+
+    ``ids``: one integer tensor per micro-batch with ``rows[k]`` entries; ``count``: an int
+    (or one-element integer tensor) >= 1. Raises ``ValueError`` in one line naming ``name``."""
+    if isinstance(ids, torch.Tensor) or not isinstance(ids, Sequence):
+        raise ValueError(
+            f"{name} must be a list with one integer tensor per micro-batch, got "
+            f"{type(ids).__name__}"
+        )
+    if len(ids) != len(rows):
+        raise ValueError(f"{name} has {len(ids)} entries for {len(rows)} micro-batches")
+    if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        raise ValueError(f"{count_name} must be an integer >= 1 (the ids' range), got {count!r}")
+    for k, (vec, num) in enumerate(zip(ids, rows, strict=True)):
+        if not isinstance(vec, torch.Tensor):
+            raise ValueError(f"{name} of micro-batch {k} is a {type(vec).__name__}, not a Tensor")
+        if vec.is_floating_point() or vec.is_complex() or vec.dtype == torch.bool:
+            raise ValueError(
+                f"{name} of micro-batch {k} must hold integers (one id per sequence), got "
+                f"dtype {vec.dtype}"
+            )
+        if tuple(vec.shape) != (num,):
+            raise ValueError(
+                f"{name} of micro-batch {k} must have one id per sequence, shape ({num},), got "
+                f"{tuple(vec.shape)}"
+            )
+    return int(count)
+
+
+def bad_key_values(keys: Keys) -> torch.Tensor:
+    """Per micro-batch, on the device: does an id fall outside ``[0, keys.count)``?"""
+    return torch.stack([((ids < 0) | (ids >= keys.count)).any() for ids in keys.ids])
+
+
+def bad_key_message(keys: Keys, k: int) -> str:
+    return (
+        f"{keys.name} of micro-batch {k} must lie in [0, {keys.count}) (the step's id range); "
+        "found a negative or out-of-range id"
+    )
+
+
+def key_tokens(seq_tokens: Sequence[torch.Tensor], keys: Keys) -> torch.Tensor:
+    """The loss tokens of each key, ``[keys.count]`` float64, from per-sequence counts."""
+    flat = torch.cat(list(seq_tokens))
+    ids = torch.cat([i.to(device=flat.device, dtype=torch.long) for i in keys.ids])
+    return torch.zeros(keys.count, dtype=_COUNT_DTYPE, device=flat.device).index_add_(0, ids, flat)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -201,12 +325,14 @@ def count_tokens(
     cp_group: dist.ProcessGroup | None = None,
     segment_ids: Sequence[torch.Tensor | None] | None = None,
     num_segments: Sequence[int | None] | None = None,
+    keys: Keys | None = None,
 ) -> StepCounts:
     """Count the float32 ``masks``' loss tokens per sequence, micro-batch and step.
 
     Sequences are rows, unless ``segment_ids[k]`` assigns each token to one of
     ``num_segments[k]`` packed sequences. n_s is summed over ``cp_group`` (the masks are CP
-    shards), then N and S over ``dp_group`` unless ``global_counts=False``.
+    shards), then N and S over ``dp_group`` unless ``global_counts=False``. With ``keys`` the
+    tokens of each key ride in the same all-reduces (no collective of their own).
     """
     seq_local = []
     for k, mask in enumerate(masks):
@@ -217,11 +343,18 @@ def count_tokens(
             counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
             seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
     flat = torch.cat(seq_local)
+    # The keys' counts come from the local shards: summed over CP with n_s, over DP with N.
+    per_key = None if keys is None else key_tokens(seq_local, keys)
+    num_seq = flat.numel()
     if group_size(cp_group) > 1:
-        dist.all_reduce(flat, group=cp_group)
+        both = flat if per_key is None else torch.cat([flat, per_key])
+        dist.all_reduce(both, group=cp_group)
+        flat, per_key = both[:num_seq], (None if per_key is None else both[num_seq:])
     seq_tokens = list(torch.split(flat, [c.numel() for c in seq_local]))
     # Every CP rank now holds the same n_s: N and S are summed over DP only.
     totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
+    if per_key is not None:
+        totals = torch.cat([totals, per_key])
     if global_counts and group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
     return StepCounts(
@@ -230,6 +363,8 @@ def count_tokens(
         seq_tokens=seq_tokens,
         mb_tokens=torch.stack([c.sum() for c in seq_tokens]),
         dp_size=group_size(dp_group),
+        key_tokens=None if per_key is None else totals[2:],
+        key_ids=None if keys is None else list(keys.ids),
     )
 
 
@@ -244,6 +379,10 @@ def weights_from_counts(
     """Float32 per-token weights from float32 masks and the step's counts. Denominators are
     clamped to 1 where the numerator is 0 anyway: no weight is ever NaN or Inf."""
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    if counts.key_tokens is not None and keys_for_mode(reduction) is not None:
+        return _keyed_weights(masks, counts, reduction, norm_constant, segment_ids)
+    if reduction == "group_mean":
+        raise ValueError(group_ids_missing_message())
     if reduction == "sum":
         return [m.clone() for m in masks]
     if reduction == "token_mean":
@@ -264,6 +403,40 @@ def weights_from_counts(
             out.append(m * (inv_seq.float()[:, None] if seg is None else inv_seq.float()[seg]))
         return out
     raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def _keyed_weights(
+    masks: Sequence[torch.Tensor],
+    counts: StepCounts,
+    reduction: str,
+    norm_constant: float | None,
+    segment_ids: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    """The weights of the keyed modes: K keys with a loss token, n_g tokens of key g.
+    ``group_mean`` and ``sequence_mean`` with trajectories: ``m / (K * n_g)``;
+    ``seq_mean_token_sum_norm`` with trajectories: ``m / (K * C)``."""
+    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    n_key = counts.key_tokens.to(counts.num_tokens.device)
+    num_keys = (n_key > 0).sum(dtype=_COUNT_DTYPE).clamp(min=1)
+    if reduction == "seq_mean_token_sum_norm":
+        inv = (one / (num_keys * float(norm_constant))).float()
+        return [m * inv for m in masks]
+    inv_key = one / (n_key.clamp(min=1) * num_keys)
+    out = []
+    for k, m in enumerate(masks):
+        ids = counts.key_ids[k].to(device=inv_key.device, dtype=torch.long)
+        inv_seq = inv_key[ids].float().to(m.device)
+        seg = None if segment_ids is None else segment_ids[k]
+        out.append(m * (inv_seq[:, None] if seg is None else inv_seq[seg]))
+    return out
+
+
+def group_ids_missing_message(key: str = "group_ids") -> str:
+    return (
+        f"reduction 'group_mean' (prompt_mean) needs each sequence's group id: put "
+        f"{key!r} (one integer per sequence) and the id range 'num_groups' into every "
+        "micro-batch (loss_weights: group_ids= and num_groups=)"
+    )
 
 
 def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
