@@ -123,11 +123,13 @@ BRIDGE = "megatron-bridge==0.6.2"  # as `python -m megatron_lossfix install-brid
 BRIDGE_REQUIREMENTS = os.path.join("megatron_lossfix", "integrations", "bridge-requirements.txt")
 BRIDGE_TESTS = "tests/test_bridge.py"
 #: The verl and SkyRL stack audits' virtualenv, layered over the world like Bridge's: their
-#: transformers pin conflicts with Bridge's, and neither belongs where the suite runs. verl is
-#: installed without its dependencies (they pull GPU tooling its Megatron loss path never
-#: imports); what both import is in RL_REQUIREMENTS.
+#: transformers pin conflicts with Bridge's, and neither belongs where the suite runs. verl and
+#: SkyRL are installed without their dependencies (verl's pull GPU tooling its Megatron loss path
+#: never imports, and by their metadata the two releases do not resolve together); what both
+#: import is in RL_REQUIREMENTS.
 RL_312 = os.path.join(".nox", "rl-3.12")
 VERL = "verl==0.9.1"  # as setup.py's extra pins it
+SKYRL = "skyrl==0.4.0"  # likewise
 RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
 RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py")
 #: The background work for the 3.12 world: name -> (done, exit statuses of its commands).
@@ -201,7 +203,7 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
             steps["download-rl"] = [
                 # Two of what the stacks need come as sources only (antlr4-python3-runtime,
                 # func_timeout): their build backend must be there too for an offline install.
-                [*pip, "--no-deps", VERL, "setuptools", "wheel"],
+                [*pip, "--no-deps", VERL, SKYRL, "setuptools", "wheel"],
                 [*pip, "-c", constraints, "-r", RL_REQUIREMENTS],
             ]
         with open(os.path.join(WHEELS_312, "download.log"), "w") as log:
@@ -242,7 +244,7 @@ def _start_312(session: nox.Session, *, bridge: bool = True) -> None:
                 _layer(RL_312, WORLD_312)
                 rl_pip = [_python(RL_312), "-m", "pip", "install", "-q", "--find-links", WHEELS_312]
                 env = local if downloaded else None
-                ok = run("rl-3.12", log, [*rl_pip, "--no-deps", VERL], env) and run(
+                ok = run("rl-3.12", log, [*rl_pip, "--no-deps", VERL, SKYRL], env) and run(
                     "rl-3.12", log, [*rl_pip, "-c", constraints, "-r", RL_REQUIREMENTS], env
                 )
             if not ok:

@@ -1,6 +1,6 @@
 """SkyRL's own Megatron loss path under the audit (``--stack skyrl``) and the adapter.
 
-The e2e tests run SkyRL 0.3.0's ``MegatronModelWrapper`` from its package on the tiny GPT over
+The e2e tests run SkyRL 0.4.0's ``MegatronModelWrapper`` from its package on the tiny GPT over
 two DP ranks with three micro-batches each, KL and entropy on, and compare the gradient with the
 one-rank reference of the exact objective. They skip where SkyRL is not installed
 (``pip install -e .[skyrl]``). The unit tests check the mapping and the report without SkyRL.
@@ -12,6 +12,7 @@ import importlib.util
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -32,18 +33,31 @@ TOL = 1e-5
 @pytest.mark.parametrize("mode", sorted(SKYRL_MODES))
 def test_every_skyrl_mode_maps_to_the_plugin_mode_of_its_name(mode):
     config = lossfix_config_for(SimpleNamespace(loss_reduction=mode, max_seq_len=16))
-    assert config.reduction == mode
+    # prompt_mean is the alias of group_mean.
+    assert config.reduction == {"prompt_mean": "group_mean"}.get(mode, mode)
     assert config.norm_constant == (16 if mode == "seq_mean_token_sum_norm" else None)
 
 
 @pytest.mark.unit
 def test_unknown_skyrl_mode_and_missing_max_seq_len_are_refused():
-    with pytest.raises(ValueError, match="prompt_mean"):
-        lossfix_config_for(SimpleNamespace(loss_reduction="prompt_mean", max_seq_len=16))
+    with pytest.raises(ValueError, match="batch_mean"):
+        lossfix_config_for(SimpleNamespace(loss_reduction="batch_mean", max_seq_len=16))
     with pytest.raises(ValueError, match="max_seq_len"):
         lossfix_config_for(
             SimpleNamespace(loss_reduction="seq_mean_token_sum_norm", max_seq_len=None)
         )
+
+
+@pytest.mark.unit
+def test_group_ids_follow_skyrl_prompt_boundaries():
+    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+
+    ids = group_ids_from_boundaries([(0, 2), (2, 5), (5, 6)], 6)
+    assert ids.tolist() == [0, 0, 1, 1, 1, 2] and ids.dtype == torch.long
+    with pytest.raises(ValueError, match="row 5 of the mini-batch belongs to no prompt"):
+        group_ids_from_boundaries([(0, 2), (2, 5)], 6)
+    with pytest.raises(ValueError, match="overlaps"):
+        group_ids_from_boundaries([(0, 3), (2, 6)], 6)
 
 
 @pytest.mark.unit
@@ -101,6 +115,20 @@ def test_stack_without_skyrl_says_how_to_install(capsys):
         main(["--stack", "skyrl", "--no-progress"])
     assert exit_.value.code == 2
     assert "pip install -e .[skyrl]" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_stack_on_an_older_skyrl_says_which_it_needs(capsys, monkeypatch):
+    import importlib.metadata
+
+    from megatron_lossfix.audit.command import main
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--stack", "skyrl", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs skyrl >= 0.4 (installed: 0.3.0): pip install -e .[skyrl]" in err, err
 
 
 # ------------------------------------------------------------------------------ e2e

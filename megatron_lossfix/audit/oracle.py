@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.audit.oracle_case import OracleCase, make_global_batch, microbatch_plan
+from megatron_lossfix.audit.oracle_case import (
+    OracleCase,
+    make_global_batch,
+    microbatch_plan,
+    prompt_groups,
+)
 
 __all__ = [
     "OracleCase",
@@ -242,12 +247,18 @@ def layout_grads(
 
 def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
-    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
+    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D; for
+    ``group_mean`` (``prompt_mean``) over the global batch's prompt groups."""
     from megatron_lossfix.losses import loss_weights
+    from megatron_lossfix.reduction import canonical_mode
 
-    target = "token_mean" if mode == "off" else mode
+    target = "token_mean" if mode == "off" else canonical_mode(mode)
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
+        if target == "group_mean":
+            ids, count = prompt_groups(mask.shape[0])
+            kwargs = {"group_ids": [ids.to(mask.device)], "num_groups": count}
+            return loss_weights([mask], target, **kwargs)[0]
         if target != "token_mean_legacy":
             return loss_weights([mask], target, norm_constant=case.norm_for(target))[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])

@@ -13,7 +13,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["OracleCase", "make_global_batch", "microbatch_plan"]
+__all__ = [
+    "PROMPT_GROUP_SIZES",
+    "OracleCase",
+    "make_global_batch",
+    "microbatch_plan",
+    "prompt_groups",
+]
+
+#: Responses per prompt in the global batch, consecutive and repeated: under the matrix's
+#: layouts groups straddle DP ranks and micro-batches (24 sequences: rows 0-4, 5-8, 9-14, 15-17,
+#: 18-23; DP2 splits the third group, DP3 the second and the fourth).
+PROMPT_GROUP_SIZES = (5, 4, 6, 3, 6)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,6 +103,16 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
         batch["ref_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
         batch["advantages"] = torch.randn(b, 1, generator=gen).expand(b, s).clone()
     return batch
+
+
+def prompt_groups(global_batch_size: int) -> tuple[torch.Tensor, int]:
+    """Each sequence's prompt group (``group_ids``, consecutive blocks of
+    :data:`PROMPT_GROUP_SIZES`) and the number of groups."""
+    ids, group = [], 0
+    while len(ids) < global_batch_size:
+        ids.extend([group] * PROMPT_GROUP_SIZES[group % len(PROMPT_GROUP_SIZES)])
+        group += 1
+    return torch.tensor(ids[:global_batch_size]), group
 
 
 def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:
