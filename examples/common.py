@@ -35,6 +35,7 @@ from usage import ExampleArgumentParser, UsageError, exit_before_startup, print_
 
 import megatron_lossfix
 from megatron_lossfix import LossFixConfig, LossFixSchedule, SelfCheckError
+from megatron_lossfix.agreement import ProblemOnAnotherRank
 from megatron_lossfix.args import (
     add_lossfix_args,
     finite_float,
@@ -46,7 +47,6 @@ from megatron_lossfix.args import (
 from megatron_lossfix.audit import training
 from megatron_lossfix.audit.training import Layout, init_layout
 from megatron_lossfix.cpu_compat import enable_cpu_megatron, quiet_repeated_megatron_warnings
-from megatron_lossfix.schedule import ProblemOnAnotherRank
 
 __all__ = [
     "ExampleArgumentParser",

@@ -2,16 +2,17 @@
 
 Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.12).
 
-* Averaging (docs/design.md §1): the factors that undo it, :func:`undo_averaging` for the main
-  loss and :func:`undo_mtp_averaging` for MTP (pinned per release by
-  ``tests/test_megatron_averaging.py``); :func:`unreduced_gradients`, the structure that must
-  reduce a step's gradients across data-parallel ranks.
+* Averaging (docs/design.md §1): :func:`undo_averaging`, the factor that undoes it for the main
+  loss and for MTP (pinned per release by ``tests/test_megatron_averaging.py``);
+  :func:`unreduced_gradients`, the structure that must reduce a step's gradients across
+  data-parallel ranks.
 * ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
   ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
   passes the sizes every release accepts.
-* Process groups: :func:`resolve_groups` takes them from the call's ``ProcessGroupCollection``,
-  else from ``parallel_state``.
+* Process groups: :func:`resolve_groups` (the step's) and :func:`model_parallel_groups` (the
+  model's shards) take them from the call's ``ProcessGroupCollection``, else from
+  ``parallel_state``.
 
 Megatron is imported inside the functions. A release outside :data:`TESTED_RANGE` warns once.
 """
@@ -22,7 +23,6 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from megatron_lossfix.reduction import group_size
+from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
 
 #: The megatron-core releases the suite proves, as ``(lowest, first untested)``.
 TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.20.0"))
@@ -64,65 +64,43 @@ def warn_if_untested() -> bool:
     return False
 
 
-@dataclass(frozen=True, slots=True)
-class StepGroups:
-    """The process groups of a step (None: no such parallelism or not initialized)."""
+def _pick(pg_collection: Any, name: str, fallback: Callable[[], Any], optional: bool) -> Any:
+    """The group ``name`` of ``pg_collection``, else ``fallback()`` from ``parallel_state``
+    (``optional``: None where Megatron's model parallelism is not initialized)."""
+    from megatron.core import parallel_state as ps
 
-    dp: dist.ProcessGroup | None
-    """Data-parallel group without context parallelism (D)."""
-    cp: dist.ProcessGroup | None
-    """Context-parallel group: per-sequence counts of CP-sharded data."""
-    dp_cp: dist.ProcessGroup | None
-    """Data x context-parallel group: the step's counts, checks and metrics."""
-    pp: dist.ProcessGroup | None
-    """Pipeline group: the last (loss) stage, the verdict and metrics for every stage."""
-    tp: dist.ProcessGroup | None = None
-    """Tensor-parallel group (self-check)."""
-    mp: dist.ProcessGroup | None = None
-    """TP x PP (self-check: norms of dense parameters)."""
-    expert_mp: dist.ProcessGroup | None = None
-    """Expert TP x EP x PP (self-check: norms of expert parameters)."""
-
-    @property
-    def dp_size(self) -> int:
-        return group_size(self.dp)
-
-    @property
-    def cp_size(self) -> int:
-        return group_size(self.cp)
-
-    @property
-    def dp_cp_size(self) -> int:
-        return group_size(self.dp_cp)
-
-    @property
-    def pp_size(self) -> int:
-        return group_size(self.pp)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp is None or dist.get_rank(self.pp) == group_size(self.pp) - 1
+    group = getattr(pg_collection, name, None) if pg_collection is not None else None
+    if group is not None or (optional and not ps.model_parallel_is_initialized()):
+        return group
+    return fallback()
 
 
 def resolve_groups(pg_collection: Any = None) -> StepGroups:
-    """Groups from an explicit ``ProcessGroupCollection``, else from Megatron's parallel_state
-    (the self-check's model-parallel groups only where it is initialized)."""
+    """A step's groups from an explicit ``ProcessGroupCollection``, else from Megatron's
+    ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
-    def pick(name: str, fallback: Callable[[], Any], optional: bool = False) -> Any:
-        group = getattr(pg_collection, name, None) if pg_collection is not None else None
-        if group is not None or (optional and not ps.model_parallel_is_initialized()):
-            return group
-        return fallback()
+    pick = functools.partial(_pick, pg_collection, optional=False)
 
     return StepGroups(
         dp=pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=False)),
         cp=pick("cp", ps.get_context_parallel_group),
         dp_cp=pick("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
         pp=pick("pp", ps.get_pipeline_model_parallel_group),
-        tp=pick("tp", ps.get_tensor_model_parallel_group, True),
-        mp=pick("mp", ps.get_model_parallel_group, True),
-        expert_mp=pick("tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group, True),
+    )
+
+
+def model_parallel_groups(pg_collection: Any = None) -> ModelParallelGroups:
+    """The model's shard groups, from the ``ProcessGroupCollection`` else ``parallel_state``
+    (None where Megatron's model parallelism is not initialized)."""
+    from megatron.core import parallel_state as ps
+
+    pick = functools.partial(_pick, pg_collection, optional=True)
+
+    return ModelParallelGroups(
+        tp=pick("tp", ps.get_tensor_model_parallel_group),
+        mp=pick("mp", ps.get_model_parallel_group),
+        expert_mp=pick("tp_ep_pp", ps.get_expert_tensor_model_pipeline_parallel_group),
     )
 
 
@@ -137,25 +115,22 @@ def model_config_of(chunk: Any) -> tuple[Any, Exception | None]:
 
 
 def undo_averaging(
-    per_token: bool, num_tokens: torch.Tensor, num_microbatches: int, groups: StepGroups
+    per_token: bool,
+    num_tokens: torch.Tensor,
+    num_microbatches: int,
+    groups: StepGroups,
+    *,
+    mtp: bool = False,
 ) -> torch.Tensor | float:
-    """What the main loss's ``sum(w * l)`` is multiplied by so that Megatron's averaging leaves
-    it whole: with ``calculate_per_token_loss`` Megatron divides every gradient by the
-    all-reduced token count, N; else the schedule multiplies the loss by cp/M and DDP divides
-    the gradient by D x cp, so M x D."""
+    """What a loss's ``sum(w * l)`` is multiplied by so that Megatron's averaging leaves it
+    whole (docs/design.md §3). With ``calculate_per_token_loss`` Megatron divides every
+    gradient by the all-reduced token count: N. Else DDP divides the gradient by D x cp, and
+    the schedule multiplies the main loss by cp/M but an MTP layer's loss (``mtp``) by 1/M:
+    M x D for the main loss, M x D x cp for MTP."""
     if per_token:
         return num_tokens.to(torch.float32)
-    return float(num_microbatches * groups.dp_size)
-
-
-def undo_mtp_averaging(
-    per_token: bool, num_tokens: torch.Tensor, num_microbatches: int, groups: StepGroups
-) -> torch.Tensor | float:
-    """The same for an MTP layer's loss: N on the per-token path; else the schedule scales the
-    MTP loss by 1/M (no CP factor, unlike the main loss) and DDP divides by D x cp."""
-    if per_token:
-        return num_tokens.to(torch.float32)
-    return float(num_microbatches * groups.dp_size * groups.cp_size)
+    # D x cp from DDP, over the schedule's cp/M (main loss) or 1/M (MTP).
+    return float(num_microbatches * groups.dp_size * (groups.cp_size if mtp else 1))
 
 
 def unreduced_gradients(chunks: list, model_config: Any, groups: StepGroups) -> str | None:

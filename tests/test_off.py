@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixSchedule
-from megatron_lossfix.megatron_compat import StepGroups
+from megatron_lossfix.groups import StepGroups
 
 pytestmark = pytest.mark.unit
 

@@ -19,9 +19,8 @@ from megatron_lossfix.selfcheck import SelfCheck
 # ------------------------------------------------------------------------------ skipping
 
 
-class _FakeSchedule:
-    def __init__(self, reduction):
-        self.config = argparse.Namespace(reduction=reduction)
+class _FakeStep:
+    def __init__(self):
         self.calls = 0
 
     def __call__(self, **kwargs):
@@ -32,12 +31,12 @@ class _FakeSchedule:
 @pytest.mark.unit
 @pytest.mark.parametrize("reduction", ["off", "token_mean_legacy"])
 def test_split_dependent_modes_are_skipped(reduction):
-    inner = _FakeSchedule(reduction)
+    inner = _FakeStep()
     check = SelfCheck(LossFixConfig(reduction=reduction, self_check=True))
     call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
     assert check.due({})
     with pytest.warns(UserWarning, match="depends on the micro-batch split"):
-        out = check.run(inner, inner, call)
+        out = check.run(inner, call)
     assert out == ["ok"] and inner.calls == 1
     assert not check.due({})  # the first training step only
 

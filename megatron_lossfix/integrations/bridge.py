@@ -35,13 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MasksToDevice,
     MegatronLMLossFix,
     record_numbers,
 )
-from megatron_lossfix.megatron_compat import StepGroups
 from megatron_lossfix.reduction import LossFixConfig
 
 __all__ = [

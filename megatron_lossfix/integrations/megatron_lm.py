@@ -37,10 +37,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.groups import StepGroups, group_size
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.losses import weighted_loss
-from megatron_lossfix.megatron_compat import StepGroups, resolve_groups, slice_batch_for_cp
-from megatron_lossfix.reduction import LossFixConfig, group_size
+from megatron_lossfix.megatron_compat import (
+    model_parallel_groups,
+    resolve_groups,
+    slice_batch_for_cp,
+)
+from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import SelfCheck
 
@@ -228,7 +233,7 @@ class MegatronLMLossFix:
     def __call__(self, **call: Any) -> list:
         """Megatron-LM calls it exactly like the function it replaces (see :meth:`_step`)."""
         if self.self_check is not None and self.self_check.due(call):
-            return self.self_check.run(self.schedule, self._step, call)
+            return self.self_check.run(self.schedule.step, call, via=self._step)
         return self._step(**call)
 
     def _step(
@@ -263,7 +268,8 @@ class MegatronLMLossFix:
             self._sft_scale = float(num_microbatches * groups.dp_cp_size)
         # [contribution, indicator]: count 1 exactly once per step over the DP x CP group.
         self._indicator_pending = groups.dp_cp is None or dist.get_rank(groups.dp_cp) == 0
-        tp_group = groups.tp if group_size(groups.tp) > 1 else None
+        tp_group = model_parallel_groups(kwargs.get("pg_collection")).tp
+        tp_group = tp_group if group_size(tp_group) > 1 else None
         tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         if groups.is_last_stage:
             data_iterator = self._loss_stage_iterators(data_iterator, tp_group, tp_rank)

@@ -19,11 +19,12 @@ import time
 from functools import partial
 from typing import Any
 
+from megatron_lossfix.agreement import Agreement, StepSettings
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import VECTOR_LEN, LossFixSchedule
+from megatron_lossfix.schedule import LossFixSchedule
 
 CASES = (
     "missing-mask",
@@ -157,7 +158,8 @@ def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
     import torch
     import torch.distributed as dist
 
-    vec = torch.zeros(VECTOR_LEN, dtype=torch.float64)
+    settings = StepSettings("token_mean", per_token=False)
+    vec = Agreement.of_rank(settings, num_counts=2, device=torch.device("cpu")).to_tensor()
     out: list[list[float]] = [[] for _ in groups]
     for _ in range(reps):
         for group, seconds in zip(groups, out, strict=True):

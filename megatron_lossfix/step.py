@@ -1,0 +1,527 @@
+"""The plugin's step: Megatron's ``forward_backward_func``, normalizing exactly (docs/design.md §3).
+
+A :class:`Step` is called with the keyword arguments of the function
+``get_forward_backward_func()`` returns. With ``off`` it calls the wrapped function with the
+caller's own arguments and returns its result unchanged. With a mode, one step:
+
+1. **read**: the loss stage (last pipeline stage) reads the step's micro-batches, their loss
+   masks and packed-sequence segments (:func:`_read`);
+2. **agree**: every rank agrees that the step can run, the step's counts riding in the same
+   all-reduce (:func:`_agree`, :mod:`megatron_lossfix.agreement`);
+3. **weigh**: each micro-batch gets its weights, ``batch[config.weights_key]``, and each MTP
+   layer its own (:func:`_weigh`, :mod:`megatron_lossfix.mtp`);
+4. **wrap** and **scale**: Megatron's schedule runs; each loss tuple is checked and multiplied
+   by what undoes Megatron's averaging, so the gradient is that of ``sum(w * l)``
+   (:func:`_wrap`, :func:`_scale`);
+5. **after the schedule**: if a loss function failed inside it (the loss stage ran on with zero
+   losses), a second agreement refuses the step on every rank (:func:`_after_schedule`).
+
+Each step that goes through leaves its :class:`StepRecord` in :attr:`Step.last_step`: what the
+step's metrics reduce (:mod:`megatron_lossfix.metrics`) and the self-check keeps
+(:mod:`megatron_lossfix.selfcheck`). Nothing in the micro-batch loop synchronizes with the host.
+Tensor-parallel peers are not part of the agreement: they read the same data and fail alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import megatron_lossfix.megatron_compat as megatron_compat
+import megatron_lossfix.reduction as reduction
+from megatron_lossfix.agreement import (
+    REFUSAL_PREFIX,
+    Agreement,
+    Problem,
+    StepRefused,
+    StepSettings,
+    agree,
+    default_device,
+)
+from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.mtp import MTPStep, active, mtp_step
+from megatron_lossfix.reduction import LossFixConfig, StepCounts
+
+__all__ = ["Step", "StepData", "StepRecord"]
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """This rank's record of one step, filled in as the step runs (tensors stay on device).
+
+    :attr:`Step.last_step` holds the record of the last step that went through: the step's
+    metrics reduce it, and the self-check puts the normal run's record back after its re-runs.
+    """
+
+    config: LossFixConfig
+    """The schedule's configuration."""
+    num_microbatches: int
+    pg_collection: Any
+    """The process groups the step was given (the call's, else the schedule's; None: Megatron's
+    ``parallel_state``)."""
+    groups: StepGroups | None = None
+    """The step's groups; None with ``off``, which resolves nothing (the metrics do, on
+    demand, from :attr:`pg_collection`)."""
+    model_config: Any = None
+    """The model's config (None with ``off``)."""
+    counts: StepCounts | None = None
+    """The step's global counts (plugin modes, loss stage)."""
+    mtp: MTPStep | None = None
+    """The MTP layers' weights and recorded losses (plugin modes, loss stage)."""
+    microbatch: int = -1
+    """The micro-batch handed to Megatron last."""
+    contributions: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's ``sum(w * l)``."""
+    reports: list[Any] = field(default_factory=list)
+    """The loss functions' reports (``off``: the list Megatron's schedule returned)."""
+    problem: StepRefused | None = None
+    """Why this rank refuses the step, found before the schedule or inside it."""
+
+    @property
+    def per_token(self) -> bool:
+        """The model's ``calculate_per_token_loss``."""
+        return bool(getattr(self.model_config, "calculate_per_token_loss", False))
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether the loss tuples go to Megatron unchanged: ``off``, and ``token_mean`` on
+        Megatron's per-token path, whose division by the all-reduced N already is the mode."""
+        mode = self.config.reduction
+        return mode == "off" or (mode == "token_mean" and self.per_token)
+
+
+@dataclass(frozen=True, slots=True)
+class StepData:
+    """The loss stage's micro-batches as read before Megatron's schedule (empty elsewhere)."""
+
+    batches: list = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)
+    """Float32 loss masks, one per micro-batch."""
+    segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
+    """Per micro-batch: each token's packed-sequence index and their number (None: rows)."""
+
+    @property
+    def segment_ids(self) -> list[torch.Tensor | None]:
+        return [ids for ids, _ in self.segments]
+
+    @property
+    def num_segments(self) -> list[int | None]:
+        return [num for _, num in self.segments]
+
+    def counts(self, masks: list[torch.Tensor], **groups: Any) -> StepCounts:
+        """``masks`` (these micro-batches' or their shift) counted with their segments."""
+        return reduction.count_tokens(
+            masks, segment_ids=self.segment_ids, num_segments=self.num_segments, **groups
+        )
+
+
+class Step:
+    """Megatron's ``forward_backward_func`` with exact, layout-invariant loss normalization.
+
+    Args:
+        config: the plugin configuration.
+        forward_backward_func: Megatron's schedule to wrap; by default Megatron's for the
+            call's pipeline group and model chunks.
+        pg_collection: process groups for calls that pass none; else ``parallel_state``.
+    """
+
+    def __init__(
+        self,
+        config: LossFixConfig,
+        forward_backward_func: Callable[..., Any] | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        megatron_compat.warn_if_untested()
+        self.config = config
+        self.inner = forward_backward_func
+        self.pg_collection = pg_collection
+        self.last_step: StepRecord | None = None
+        """This rank's record of the last step: None before the first and after a step that
+        raised (a refused one too)."""
+
+    def __call__(self, **call: Any) -> Any:
+        self.last_step = None  # a step that raises leaves no record behind
+        given = call.get("pg_collection")
+        record = StepRecord(
+            config=self.config,
+            num_microbatches=call["num_microbatches"],
+            pg_collection=self.pg_collection if given is None else given,
+        )
+        if self.config.reduction == "off":
+            result = self._stock(call, record)
+        else:
+            result = self._plugin(call, record)
+        self.last_step = record
+        return result
+
+    def _stock(self, call: dict, record: StepRecord) -> Any:
+        """``off``: the wrapped function with the caller's own objects, its result unchanged."""
+        func = self.inner
+        if func is None:  # asked for each step, as stock code does (it reads parallel_state)
+            from megatron.core.pipeline_parallel import get_forward_backward_func
+
+            func = get_forward_backward_func()
+        result = func(**call)
+        record.reports = list(result) if isinstance(result, (list, tuple)) else []
+        return result
+
+    def _plugin(self, call: dict, record: StepRecord) -> Any:
+        """Read, agree (with the counts), weigh, wrap, run Megatron's schedule, agree again."""
+        cfg, model, m = self.config, call["model"], call["num_microbatches"]
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            # The same argument on every rank: every rank raises here, before any collective.
+            raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
+        chunks = model if isinstance(model, list) else [model]
+        record.model_config, error = _model_settings(cfg, chunks[0])
+        mtp_layers = int(getattr(record.model_config, "mtp_num_layers", None) or 0)
+        if record.pg_collection is not None:
+            call["pg_collection"] = record.pg_collection  # the schedule's when the call gave none
+        record.groups = megatron_compat.resolve_groups(record.pg_collection)
+        given = call["data_iterator"]
+        iterators = list(given) if isinstance(given, list) else [given]
+        data = StepData()
+        if error is not None:
+            message = f"preparing the step raised {type(error).__name__}: {error}"
+            record.problem = Problem.OTHER.refusal(message, error)
+        elif record.groups.is_last_stage:
+            data = _read(record, iterators[-1], mtp_layers)
+        unreduced = _structure_problem(chunks, record)
+        if unreduced is not None:
+            record.problem = unreduced  # the fix to name first: no step can be right without it
+        mtp_masks = [reduction.shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
+        mtp_counts = _agree(record, data, mtp_masks)
+        if record.groups.is_last_stage:
+            iterators[-1] = _weigh(record, data, mtp_masks, mtp_counts)
+            call["forward_step_func"] = _wrap(call["forward_step_func"], iterators[-1], record)
+        call["data_iterator"] = iterators if isinstance(given, list) else iterators[0]
+        result = (self.inner or megatron_compat.schedule_for(model, record.groups.pp))(**call)
+        _after_schedule(record)
+        return result
+
+
+# ---------------------------------------------------------------------- read
+def _read(record: StepRecord, source: Any, mtp_layers: int) -> StepData:
+    """The loss stage's micro-batches, float masks and packed-sequence segments; what
+    goes wrong becomes ``record.problem`` (and the data is empty)."""
+    key = record.config.loss_mask_key
+    try:
+        batches = _read_batches(source, record.num_microbatches)
+        for k, batch in enumerate(batches):
+            if not isinstance(batch, Mapping) or key not in batch:
+                keys = f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""
+                raise Problem.NOT_DICT.refusal(
+                    f"micro-batch {k} must be a dict holding the loss mask under {key!r} "
+                    f"(LossFixConfig.loss_mask_key); got {type(batch).__name__}{keys}"
+                )
+        try:
+            masks = reduction.float_masks([b[key] for b in batches])
+            segments = [_segments(record.config, b, masks[k], k) for k, b in enumerate(batches)]
+        except ValueError as exc:
+            raise Problem.MALFORMED.refusal(str(exc)) from None
+        if mtp_layers and any(ids is not None for ids, _ in segments):
+            raise Problem.MTP.refusal(
+                "packed micro-batches (cu_seqlens) with multi-token prediction: the "
+                "plugin normalizes MTP layers over whole rows only"
+            )
+        return StepData(batches, masks, segments)
+    except StepRefused as exc:
+        record.problem = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
+        message = f"preparing the step raised {type(exc).__name__}: {exc}"
+        record.problem = Problem.OTHER.refusal(message, exc)
+    return StepData()
+
+
+# ---------------------------------------------------------------------- agree
+def _agree(
+    record: StepRecord, data: StepData, mtp_masks: list[list[torch.Tensor]]
+) -> list[StepCounts]:
+    """Count the step's tokens and agree, on every rank of the step, that it can run.
+
+    The counts ``[N, S]`` of the masks, then of each MTP layer's shifted masks, ride in
+    the agreement, summed over DP x CP (CP ranks hold the same whole sequences: the sums
+    are divided by the CP size). CP-sharded masks need their per-sequence counts summed
+    over CP first, an all-reduce of a size only the ranks that could read their data know:
+    they are counted after the verdict. Fills ``record.counts`` on the loss stage; returns
+    each MTP layer's counts.
+    """
+    cfg, groups, problem = record.config, record.groups, record.problem
+    settings = StepSettings(cfg.reduction, record.per_token)
+    mask_sets = [data.masks, *mtp_masks]
+    mine = Agreement.of_rank(settings, problem, num_counts=2 * len(mask_sets))
+    sharded_cp = cfg.data_is_cp_sharded and groups.cp_size > 1
+    bad, local = None, []
+    if groups.is_last_stage and problem is None:
+        if cfg.validate:
+            bad = reduction.bad_mask_values(data.masks)
+            mine.report(Problem.MASK_VALUES, bad.any())
+        if not sharded_cp:
+            local = [data.counts(masks, global_counts=False) for masks in mask_sets]
+            totals = [n for c in local for n in (c.num_tokens, c.num_sequences)]
+            mine.counts.copy_(torch.stack(totals))
+
+    def bad_masks() -> StepRefused | None:  # asked only when the step is refused
+        if bad is None or not bool(bad.any()):
+            return None
+        first = int(bad.nonzero()[0, 0])
+        return Problem.MASK_VALUES.refusal(reduction.bad_mask_message(first))
+
+    agreed = agree(mine, groups)
+    agreed.verdict(groups.pp_size, problem, settings, late=bad_masks)
+    if not groups.is_last_stage:
+        return []
+    if sharded_cp:
+        record.counts = data.counts(data.masks, dp_group=groups.dp, cp_group=groups.cp)
+        return []
+    sums = agreed.counts.to(data.masks[0].device) / float(groups.cp_size)
+    counts = [
+        dataclasses.replace(
+            c, num_tokens=sums[2 * j], num_sequences=sums[2 * j + 1], dp_size=groups.dp_size
+        )
+        for j, c in enumerate(local)
+    ]
+    record.counts = counts[0]
+    return counts[1:]
+
+
+# ---------------------------------------------------------------------- weigh
+def _weigh(
+    record: StepRecord,
+    data: StepData,
+    mtp_masks: list[list[torch.Tensor]],
+    mtp_counts: list[StepCounts],
+) -> Iterator[dict]:
+    """The loss stage's micro-batches with their weights (and ``record.mtp``)."""
+    cfg = record.config
+    weights = data.masks  # per-token token_mean: Megatron's division by N is exact
+    if not record.passthrough:
+        weights = reduction.weights_from_counts(
+            data.masks,
+            record.counts,
+            cfg.reduction,
+            norm_constant=cfg.norm_constant,
+            segment_ids=data.segment_ids,
+        )
+    if mtp_counts:
+        factor = _undo_averaging(record, mtp=True)
+        scaling = record.model_config.mtp_loss_scaling_factor
+        microbatch = lambda: record.microbatch  # noqa: E731 - read when the hooks run
+        record.mtp = mtp_step(
+            cfg, mtp_masks, mtp_counts, factor, record.groups, scaling, microbatch
+        )
+
+    def batches() -> Iterator[dict]:  # a generator: the code above runs now, not lazily
+        for k, batch in enumerate(data.batches):
+            record.microbatch = k
+            if cfg.check_finite:
+                _check_finite(batch.items(), f"micro-batch {k}: {{!r}} holds NaN or Inf")
+            yield {**batch, cfg.weights_key: weights[k]}
+
+    return batches()
+
+
+def _undo_averaging(record: StepRecord, *, mtp: bool = False) -> torch.Tensor | float:
+    """The factor that undoes Megatron's averaging of this step's main or MTP loss."""
+    return megatron_compat.undo_averaging(
+        record.per_token,
+        record.counts.num_tokens,
+        record.num_microbatches,
+        record.groups,
+        mtp=mtp,
+    )
+
+
+# ---------------------------------------------------------------------- wrap and scale
+def _wrap(forward_step_func: Callable, step_iter: Iterator, record: StepRecord) -> Callable:
+    """``forward_step_func`` whose loss function, on the loss chunk, is checked, recorded
+    and rescaled; on an error the problem is recorded and Megatron gets a zero loss."""
+    scale = None if record.passthrough else _undo_averaging(record)
+
+    def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
+        if data_iterator is not step_iter:  # another chunk: Megatron never calls its loss
+            return forward_step_func(data_iterator, model, *args)
+        with active(record.mtp):  # the model computes its MTP losses in this call
+            output, loss_func = forward_step_func(data_iterator, model, *args)
+        k = record.microbatch
+        if record.mtp is not None and record.mtp.problem and record.problem is None:
+            record.problem = Problem.MTP.refusal(record.mtp.problem)
+
+        def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
+            if record.problem is not None:
+                return _zero_loss(output_tensor, record.per_token)
+            try:
+                if k < 0:
+                    raise ValueError(
+                        "forward_step_func returned without reading its micro-batch from "
+                        "the data iterator on the loss stage"
+                    )
+                outputs = loss_func(output_tensor, *a, **kw)
+                if kw.get("non_loss_data"):
+                    return outputs
+                return _scale(outputs, k, scale, record)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it after the step
+                message = f"{type(exc).__name__}: {exc}"
+                if f"micro-batch {k}" not in message:
+                    message = f"micro-batch {k}: {message}"
+                record.problem = Problem.LOSS_FUNC.refusal(message, exc)
+                return _zero_loss(output_tensor, record.per_token)
+
+        return output, loss
+
+    return forward_step
+
+
+def _scale(outputs: Any, k: int, scale: Any, record: StepRecord) -> tuple:
+    """Check and record one micro-batch's loss tuple; what Megatron should receive."""
+    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+        is_tuple = isinstance(outputs, (tuple, list))
+        got = f"a tuple of length {len(outputs)}" if is_tuple else type(outputs).__name__
+        raise ValueError(
+            f"loss_func must return (loss, num_tokens, report) or (loss, report); got {got}"
+        )
+    loss, report = outputs[0], outputs[-1]
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+        raise ValueError(
+            f"loss_func must return a one-element loss tensor first, got "
+            f"{type(loss).__name__}{shape} (micro-batch {k})"
+        )
+    if len(outputs) == 2 and record.per_token:
+        raise ValueError(
+            "calculate_per_token_loss=True needs loss_func to return (loss, num_tokens, "
+            "report), the loss tokens of the micro-batch on this rank; got (loss, report). "
+            "Return a 3-tuple (megatron_lossfix.weighted_loss does), or set "
+            "calculate_per_token_loss=False."
+        )
+    if record.config.check_finite:  # a host sync per micro-batch: opt-in
+        if not bool(torch.isfinite(loss).all()):
+            raise FloatingPointError(
+                f"loss of micro-batch {k} is not finite ({loss.item()}); check_finite is on"
+            )
+        # Extremes (ratio_min/_max) may legitimately be +-inf on a zero-token micro-batch.
+        entries = report.items() if isinstance(report, Mapping) else ()
+        _check_finite(entries, f"report entry {{!r}} of micro-batch {k} is NaN", torch.isnan)
+    record.contributions.append(loss.detach().reshape(()))
+    record.reports.append(report)
+    if record.passthrough:
+        return outputs  # Megatron's own semantics, untouched
+    if record.per_token:
+        return loss * scale, outputs[1], report
+    return loss * scale, report
+
+
+# ---------------------------------------------------------------------- after the schedule
+def _after_schedule(record: StepRecord) -> None:
+    """Refuse the step on every rank if the loss stage hit an error inside the schedule:
+    one small agreement over DP x CP (loss stage) and the pipeline group; none on a single
+    rank without an error."""
+    groups, problem = record.groups, record.problem
+    if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
+        return
+    agree(Agreement.of_rank(None, problem), groups).verdict(groups.pp_size, problem)
+
+
+def _model_settings(config: LossFixConfig, chunk: Any) -> tuple[Any, Exception | None]:
+    """The model's config, or the error reading it raised; settings that are the same on every
+    rank and that the plugin cannot serve are refused here, before any collective."""
+    model_config, error = megatron_compat.model_config_of(chunk)
+    if error is not None:  # the agreement tells every rank
+        return None, error
+    if getattr(model_config, "hybrid_context_parallel", False):
+        # Megatron 0.19's hybrid CP calls forward_step once per sub-sample.
+        raise StepRefused(
+            f"{REFUSAL_PREFIX}hybrid context parallelism (hybrid_context_parallel=True) runs "
+            "forward_step once per sub-sample, which the plugin's modes do not cover; use "
+            "--loss-reduction off with calculate_per_token_loss=True there (Megatron's own "
+            "per-token mode is the exact token mean)"
+        )
+    mtp_layers = getattr(model_config, "mtp_num_layers", None)
+    if mtp_layers and config.data_is_cp_sharded:
+        # MTP layers read the masks of later positions, which CP shards do not hold.
+        raise StepRefused(
+            f"{REFUSAL_PREFIX}multi-token prediction (mtp_num_layers={mtp_layers}) needs whole "
+            "sequences from the data iterator (data_is_cp_sharded=False): slice them for "
+            "context parallelism in forward_step"
+        )
+    return model_config, None
+
+
+def _structure_problem(chunks: list, record: StepRecord) -> StepRefused | None:
+    """The structural guard (``megatron_compat.unreduced_gradients``), asked at every step: a
+    few type checks and attribute reads, so no verdict is kept that could go stale."""
+    try:
+        message = megatron_compat.unreduced_gradients(chunks, record.model_config, record.groups)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        message = f"checking the model's DP wrapping raised {type(exc).__name__}: {exc}"
+    return None if message is None else Problem.UNREDUCED.refusal(message)
+
+
+def _read_batches(source: Any, num_microbatches: int) -> list:
+    if source is None:
+        message = "the last pipeline stage needs a data iterator: it holds the loss (got None)"
+        raise Problem.NO_ITERATOR.refusal(message)
+    batches = []
+    for k in range(num_microbatches):
+        try:
+            batches.append(next(source))
+        except StopIteration:
+            raise Problem.RAN_OUT.refusal(
+                f"the data iterator ran out after {k} micro-batches but "
+                f"num_microbatches={num_microbatches}"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+            hint = "; pass an iterator (iter(...)), not an iterable"
+            message = (
+                f"reading micro-batch {k} from the data iterator raised {type(exc).__name__}: "
+                f"{exc}{'' if hasattr(source, '__next__') else hint}"
+            )
+            raise Problem.UNREADABLE.refusal(message, exc) from exc
+    return batches
+
+
+def _segments(config: LossFixConfig, batch: Mapping, mask: torch.Tensor, k: int) -> tuple:
+    """A packed micro-batch's sequence index per token and their number; (None, None): rows."""
+    key = config.cu_seqlens_key
+    cu_seqlens = batch.get(key)
+    if cu_seqlens is None:
+        return None, None
+    if config.data_is_cp_sharded:
+        raise ValueError(
+            "packed sequences need whole sequences from the data iterator: slice them for "
+            "context parallelism in forward_step (data_is_cp_sharded=False)"
+        )
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+        raise ValueError(
+            f"micro-batch {k}: {key!r} must be a 1-D tensor of cumulative sequence lengths "
+            "starting at 0"
+        )
+    if mask.shape[0] != 1:
+        raise ValueError(
+            f"micro-batch {k} is packed ({key!r} given) but its mask is {tuple(mask.shape)}; "
+            "packed micro-batches are [1, total_tokens]"
+        )
+    return reduction.segment_ids(cu_seqlens.to(device=mask.device), mask.shape[1])
+
+
+def _check_finite(entries: Any, message: str, bad: Callable = lambda t: ~torch.isfinite(t)) -> None:
+    """Raise ``FloatingPointError`` for the first floating tensor among ``(key, value)``
+    ``entries`` holding a value ``bad`` flags; ``message`` names the key."""
+    for key, value in entries:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and bool(bad(value).any()):
+            raise FloatingPointError(message.format(key) + " (check_finite is on)")
+
+
+def _zero_loss(output_tensor: Any, per_token: bool) -> tuple:
+    """A zero loss with the output's graph, in Megatron's form: the schedule ends normally
+    (backward sends zero gradients upstream) and the step is refused after it."""
+    if isinstance(output_tensor, torch.Tensor) and output_tensor.is_floating_point():
+        zero = (output_tensor * 0).sum().float()
+    else:
+        zero = torch.zeros((), device=default_device())
+    if per_token:
+        return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
+    return zero, {}
