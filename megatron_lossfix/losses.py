@@ -15,21 +15,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.group_ids import (
+    GroupIds,
+    bad_id_message,
+    bad_id_values,
+    check_ids,
+    ids_for_mode,
+    missing_group_ids_message,
+)
+from megatron_lossfix.groups import group_size
 from megatron_lossfix.reduction import (
     REDUCTIONS,
-    Keys,
-    bad_key_message,
-    bad_key_values,
     bad_mask_message,
     bad_mask_values,
     canonical_mode,
-    check_keys,
     check_mode,
     count_tokens,
     float_masks,
-    group_ids_missing_message,
-    group_size,
-    keys_for_mode,
     weights_from_counts,
 )
 
@@ -96,9 +98,9 @@ def loss_weights(
     bad = bad_mask_values(masks)
     if bool(bad.any()):
         raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
-    keys = _keys(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
-    if keys is not None:
-        _agree_on_keys(keys, dp_group, cp_group)
+    groups = _group_ids(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
+    if groups is not None:
+        _agree_on_ids(groups, dp_group, cp_group)
     global_counts = reduction in (
         "token_mean",
         "sequence_mean",
@@ -106,21 +108,21 @@ def loss_weights(
         "group_mean",
     )
     counts = count_tokens(
-        masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group, keys=keys
+        masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group, groups=groups
     )
     return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)
 
 
-def _keys(
+def _group_ids(
     reduction: str,
     masks: list[torch.Tensor],
     group_ids: Sequence[torch.Tensor] | None,
     num_groups: int | None,
     trajectory_ids: Sequence[torch.Tensor] | None,
     num_trajectories: int | None,
-) -> Keys | None:
+) -> GroupIds | None:
     """The ids ``reduction`` weights by, checked (no device sync); ids it would ignore refused."""
-    wanted = keys_for_mode(reduction)
+    wanted = ids_for_mode(reduction)
     given = {
         "group": (group_ids, num_groups, "group_ids", "num_groups"),
         "trajectory": (trajectory_ids, num_trajectories, "trajectory_ids", "num_trajectories"),
@@ -137,28 +139,28 @@ def _keys(
     ids, count, name, count_name = given[wanted]
     if ids is None:
         if wanted == "group":
-            raise ValueError(group_ids_missing_message())
+            raise ValueError(missing_group_ids_message())
         if count is not None:
             raise ValueError(f"{count_name} needs {name}")
         return None
     rows = [m.shape[0] for m in masks]
-    count = check_keys(ids, count, rows, name, count_name)
+    count = check_ids(ids, count, rows, name, count_name)
     moved = [i.to(device=masks[0].device) for i in ids]
-    return Keys(ids=moved, count=count, name=name)
+    return GroupIds(ids=moved, count=count, name=name)
 
 
-def _agree_on_keys(
-    keys: Keys, dp_group: dist.ProcessGroup | None, cp_group: dist.ProcessGroup | None
+def _agree_on_ids(
+    groups: GroupIds, dp_group: dist.ProcessGroup | None, cp_group: dist.ProcessGroup | None
 ) -> None:
     """Refuse bad ids on every rank of the groups: one small all-reduce over each group of
     ``[1, count, count**2, bad]`` (the ranges agree exactly when ``sum(c)**2 == n * sum(c**2)``)
     before the counts' all-reduces, whose size is the range."""
-    bad = bad_key_values(keys)
+    bad = bad_id_values(groups)
     vec = torch.stack(
         [
             torch.ones((), dtype=torch.float64),
-            torch.tensor(float(keys.count), dtype=torch.float64),
-            torch.tensor(float(keys.count) ** 2, dtype=torch.float64),
+            torch.tensor(float(groups.count), dtype=torch.float64),
+            torch.tensor(float(groups.count) ** 2, dtype=torch.float64),
         ]
     ).to(bad.device)
     vec = torch.cat([vec, bad.any().double()[None]])
@@ -167,11 +169,11 @@ def _agree_on_keys(
             dist.all_reduce(vec, group=group)
     n, total, squares, flagged = vec.tolist()
     if bool(bad.any()):
-        raise ValueError(bad_key_message(keys, int(bad.nonzero()[0, 0])))
+        raise ValueError(bad_id_message(groups, int(bad.nonzero()[0, 0])))
     if flagged > 0:
-        raise ValueError(f"{keys.name} refused on another rank (see its error); every rank stops")
+        raise ValueError(f"{groups.name} refused on another rank (see its error); every rank stops")
     if total * total != n * squares:
         raise ValueError(
-            f"the ranks disagree on the id range of {keys.name} (this rank: {keys.count}); give "
-            "every rank the same range"
+            f"the ranks disagree on the id range of {groups.name} (this rank: {groups.count}); "
+            "give every rank the same range"
         )

@@ -6,9 +6,9 @@ per-sequence counts summed over the context-parallel group (a sequence is split 
 N and S over the data-parallel group (a sequence lives on one DP rank); never over TP or the
 world. Counts stay on the device, in float64 (float32 is exact only up to 2**24 tokens).
 
-Keyed counts (:class:`Keys`): where sequences carry a key global over the step (a prompt group's
-id for ``group_mean``, a trajectory's id for the sequence modes), loss tokens are also counted
-per key, over every micro-batch and every DP and CP rank, in one vector of the keys' range.
+Group counts (:class:`~megatron_lossfix.group_ids.GroupIds`): where sequences carry a group id
+global over the step (a prompt group for ``group_mean``, a trajectory for the sequence modes),
+loss tokens are also counted per group, over every micro-batch and every DP and CP rank.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.group_ids import (
+    GroupIds,
+    group_tokens,
+    ids_for_mode,
+    missing_group_ids_message,
+)
 from megatron_lossfix.groups import group_size
 
 #: The plugin's modes (docs/design.md §2).
@@ -36,9 +42,6 @@ REDUCTIONS: tuple[str, ...] = (
 ALIASES: dict[str, str] = {"prompt_mean": "group_mean"}
 #: Every accepted ``--loss-reduction``: the modes, and ``off`` (stock Megatron).
 MODES: tuple[str, ...] = (*REDUCTIONS, "off")
-#: The modes that weight by trajectory when sequences carry trajectory ids (a trajectory split
-#: into several rows counts once); without them each row is a sequence.
-TRAJECTORY_MODES: tuple[str, ...] = ("sequence_mean", "seq_mean_token_sum_norm")
 _COUNT_DTYPE = torch.float64
 
 
@@ -194,83 +197,11 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch (all CP shards), ``[M]``."""
     dp_size: int
     """D: data-parallel size (without CP)."""
-    key_tokens: torch.Tensor | None = None
-    """With :class:`Keys`: the loss tokens of each key (group or trajectory), ``[num_keys]``
+    group_tokens: torch.Tensor | None = None
+    """With group ids: the loss tokens of each group (prompt or trajectory), ``[count]``
     (global once reduced over DP x CP, like N)."""
-    key_ids: list[torch.Tensor] | None = None
-    """With :class:`Keys`: the key of each local sequence, one vector per micro-batch."""
-
-
-@dataclass(frozen=True, slots=True)
-class Keys:
-    """A key per sequence, global over the step: the sequences' prompt groups (``group_mean``)
-    or trajectories (the sequence modes). Keys without a loss token in the step neither
-    contribute nor count."""
-
-    ids: list[torch.Tensor]
-    """Per micro-batch, the key of each sequence (row, or packed sequence), ``[sequences]``."""
-    count: int
-    """The keys' range: every id is in ``[0, count)``."""
-    name: str = "group_ids"
-    """What the ids are called where the user gave them (for messages)."""
-
-
-def keys_for_mode(reduction: str) -> str | None:
-    """Which ids ``reduction`` weights by: ``"group"``, ``"trajectory"`` (optional) or None."""
-    if reduction == "group_mean":
-        return "group"
-    return "trajectory" if reduction in TRAJECTORY_MODES else None
-
-
-def check_keys(ids: object, count: object, rows: Sequence[int], name: str, count_name: str) -> int:
-    """Check the ids' structure without a device sync and return the range as an int.
-
-    ``ids``: one integer tensor per micro-batch with ``rows[k]`` entries; ``count``: an int
-    (or one-element integer tensor) >= 1. Raises ``ValueError`` in one line naming ``name``."""
-    if isinstance(ids, torch.Tensor) or not isinstance(ids, Sequence):
-        raise ValueError(
-            f"{name} must be a list with one integer tensor per micro-batch, got "
-            f"{type(ids).__name__}"
-        )
-    if len(ids) != len(rows):
-        raise ValueError(f"{name} has {len(ids)} entries for {len(rows)} micro-batches")
-    if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
-        count = int(count)
-    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
-        raise ValueError(f"{count_name} must be an integer >= 1 (the ids' range), got {count!r}")
-    for k, (vec, num) in enumerate(zip(ids, rows, strict=True)):
-        if not isinstance(vec, torch.Tensor):
-            raise ValueError(f"{name} of micro-batch {k} is a {type(vec).__name__}, not a Tensor")
-        if vec.is_floating_point() or vec.is_complex() or vec.dtype == torch.bool:
-            raise ValueError(
-                f"{name} of micro-batch {k} must hold integers (one id per sequence), got "
-                f"dtype {vec.dtype}"
-            )
-        if tuple(vec.shape) != (num,):
-            raise ValueError(
-                f"{name} of micro-batch {k} must have one id per sequence, shape ({num},), got "
-                f"{tuple(vec.shape)}"
-            )
-    return int(count)
-
-
-def bad_key_values(keys: Keys) -> torch.Tensor:
-    """Per micro-batch, on the device: does an id fall outside ``[0, keys.count)``?"""
-    return torch.stack([((ids < 0) | (ids >= keys.count)).any() for ids in keys.ids])
-
-
-def bad_key_message(keys: Keys, k: int) -> str:
-    return (
-        f"{keys.name} of micro-batch {k} must lie in [0, {keys.count}) (the step's id range); "
-        "found a negative or out-of-range id"
-    )
-
-
-def key_tokens(seq_tokens: Sequence[torch.Tensor], keys: Keys) -> torch.Tensor:
-    """The loss tokens of each key, ``[keys.count]`` float64, from per-sequence counts."""
-    flat = torch.cat(list(seq_tokens))
-    ids = torch.cat([i.to(device=flat.device, dtype=torch.long) for i in keys.ids])
-    return torch.zeros(keys.count, dtype=_COUNT_DTYPE, device=flat.device).index_add_(0, ids, flat)
+    group_ids: list[torch.Tensor] | None = None
+    """With group ids: the group of each local sequence, one vector per micro-batch."""
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -322,14 +253,15 @@ def count_tokens(
     cp_group: dist.ProcessGroup | None = None,
     segment_ids: Sequence[torch.Tensor | None] | None = None,
     num_segments: Sequence[int | None] | None = None,
-    keys: Keys | None = None,
+    groups: GroupIds | None = None,
 ) -> StepCounts:
     """Count the float32 ``masks``' loss tokens per sequence, micro-batch and step.
 
     Sequences are rows, unless ``segment_ids[k]`` assigns each token to one of
     ``num_segments[k]`` packed sequences. n_s is summed over ``cp_group`` (the masks are CP
-    shards), then N and S over ``dp_group`` unless ``global_counts=False``. With ``keys`` the
-    tokens of each key ride in the same all-reduces (no collective of their own).
+    shards), then N and S over ``dp_group`` unless ``global_counts=False``. With ``groups`` the
+    tokens of each group ride in the same all-reduces (no collective of their own); their ids
+    must have been checked (:func:`~megatron_lossfix.group_ids.bad_id_values`).
     """
     seq_local = []
     for k, mask in enumerate(masks):
@@ -340,8 +272,8 @@ def count_tokens(
             counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
             seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
     flat = torch.cat(seq_local)
-    # The keys' counts come from the local shards: summed over CP with n_s, over DP with N.
-    per_key = None if keys is None else key_tokens(seq_local, keys)
+    # The groups' counts come from the local shards: summed over CP with n_s, over DP with N.
+    per_key = None if groups is None else group_tokens(seq_local, groups)
     num_seq = flat.numel()
     if group_size(cp_group) > 1:
         both = flat if per_key is None else torch.cat([flat, per_key])
@@ -360,8 +292,8 @@ def count_tokens(
         seq_tokens=seq_tokens,
         mb_tokens=torch.stack([c.sum() for c in seq_tokens]),
         dp_size=group_size(dp_group),
-        key_tokens=None if per_key is None else totals[2:],
-        key_ids=None if keys is None else list(keys.ids),
+        group_tokens=None if per_key is None else totals[2:],
+        group_ids=None if groups is None else list(groups.ids),
     )
 
 
@@ -376,10 +308,10 @@ def weights_from_counts(
     """Float32 per-token weights from float32 masks and the step's counts. Denominators are
     clamped to 1 where the numerator is 0 anyway: no weight is ever NaN or Inf."""
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
-    if counts.key_tokens is not None and keys_for_mode(reduction) is not None:
-        return _keyed_weights(masks, counts, reduction, norm_constant, segment_ids)
+    if counts.group_tokens is not None and ids_for_mode(reduction) is not None:
+        return _group_weights(masks, counts, reduction, norm_constant, segment_ids)
     if reduction == "group_mean":
-        raise ValueError(group_ids_missing_message())
+        raise ValueError(missing_group_ids_message())
     if reduction == "sum":
         return [m.clone() for m in masks]
     if reduction == "token_mean":
@@ -402,38 +334,30 @@ def weights_from_counts(
     raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
 
 
-def _keyed_weights(
+def _group_weights(
     masks: Sequence[torch.Tensor],
     counts: StepCounts,
     reduction: str,
     norm_constant: float | None,
     segment_ids: Sequence[torch.Tensor | None] | None,
 ) -> list[torch.Tensor]:
-    """The weights of the keyed modes: K keys with a loss token, n_g tokens of key g.
-    ``group_mean`` and ``sequence_mean`` with trajectories: ``m / (K * n_g)``;
-    ``seq_mean_token_sum_norm`` with trajectories: ``m / (K * C)``."""
+    """The weights over groups: G groups with a loss token, n_g tokens of group g.
+    ``group_mean`` and ``sequence_mean`` over trajectories: ``m / (G * n_g)``;
+    ``seq_mean_token_sum_norm`` over trajectories: ``m / (G * C)``."""
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
-    n_key = counts.key_tokens.to(counts.num_tokens.device)
-    num_keys = (n_key > 0).sum(dtype=_COUNT_DTYPE).clamp(min=1)
+    n_group = counts.group_tokens.to(counts.num_tokens.device)
+    num_groups = (n_group > 0).sum(dtype=_COUNT_DTYPE).clamp(min=1)
     if reduction == "seq_mean_token_sum_norm":
-        inv = (one / (num_keys * float(norm_constant))).float()
+        inv = (one / (num_groups * float(norm_constant))).float()
         return [m * inv for m in masks]
-    inv_key = one / (n_key.clamp(min=1) * num_keys)
+    inv_group = one / (n_group.clamp(min=1) * num_groups)
     out = []
     for k, m in enumerate(masks):
-        ids = counts.key_ids[k].to(device=inv_key.device, dtype=torch.long)
-        inv_seq = inv_key[ids].float().to(m.device)
+        ids = counts.group_ids[k].to(device=inv_group.device, dtype=torch.long)
+        inv_seq = inv_group[ids].float().to(m.device)
         seg = None if segment_ids is None else segment_ids[k]
         out.append(m * (inv_seq[:, None] if seg is None else inv_seq[seg]))
     return out
-
-
-def group_ids_missing_message(key: str = "group_ids") -> str:
-    return (
-        f"reduction 'group_mean' (prompt_mean) needs each sequence's group id: put "
-        f"{key!r} (one integer per sequence) and the id range 'num_groups' into every "
-        "micro-batch (loss_weights: group_ids= and num_groups=)"
-    )
 
 
 def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:

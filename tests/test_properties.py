@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_lossfix import REDUCTIONS, loss_weights
-from megatron_lossfix.reduction import Keys, count_tokens, keys_for_mode, weights_from_counts
+from megatron_lossfix.group_ids import GroupIds, ids_for_mode
+from megatron_lossfix.reduction import count_tokens, weights_from_counts
 
 pytestmark = pytest.mark.unit
 
@@ -165,15 +166,15 @@ def _simulated_weights(
     """Weights per rank and micro-batch, with N and S (and, with ``keys`` = (per-rank ids, their
     range), each key's tokens) summed over the simulated DP ranks."""
     rank_keys = [None] * len(ranks)
-    if keys is not None and keys_for_mode(mode) is not None:
-        rank_keys = [Keys(ids=ids, count=keys[1]) for ids in keys[0]]
+    if keys is not None and ids_for_mode(mode) is not None:
+        rank_keys = [GroupIds(ids=ids, count=keys[1]) for ids in keys[0]]
     counts = [
-        count_tokens([m for m, _ in mbs], global_counts=False, keys=k)
+        count_tokens([m for m, _ in mbs], global_counts=False, groups=k)
         for mbs, k in zip(ranks, rank_keys, strict=True)
     ]
     num_tokens = sum(c.num_tokens for c in counts)
     num_sequences = sum(c.num_sequences for c in counts)
-    per_key = None if rank_keys[0] is None else sum(c.key_tokens for c in counts)
+    per_key = None if rank_keys[0] is None else sum(c.group_tokens for c in counts)
     out = []
     for mbs, c in zip(ranks, counts, strict=True):
         c = dataclasses.replace(
@@ -181,7 +182,7 @@ def _simulated_weights(
             num_tokens=num_tokens,
             num_sequences=num_sequences,
             dp_size=len(ranks),
-            key_tokens=per_key,
+            group_tokens=per_key,
         )
         out.append(weights_from_counts([m for m, _ in mbs], c, mode, norm_constant=NORM_CONSTANT))
     return out

@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "PROMPT_GROUP_SIZES",
     "OracleCase",
+    "id_ranges",
     "make_global_batch",
     "microbatch_plan",
     "prompt_groups",
@@ -59,6 +60,9 @@ class OracleCase:
     """Gradient clipping norm of that step (0: none)."""
     lr: float = 0.1
     """Learning rate of that step."""
+    trajectory_rows: int = 0
+    """Rows per trajectory (consecutive): the batch carries ``trajectory_ids``, over which the
+    sequence modes weigh (a trajectory split into rows counts once); 0: none."""
     objective: str = "sft"
     """``sft`` (per-token cross entropy) or the full RL objective with ``ppo`` or ``gspo``
     policy loss plus a k3 KL penalty and an entropy bonus."""
@@ -94,7 +98,12 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
         "labels": labels,
         "loss_mask": mask.float(),
         "position_ids": pos.expand(b, s).clone(),
+        # One id per sequence (consecutive prompt groups, trajectories): the ranges are
+        # ``id_ranges(case)``, put into each micro-batch beside its slice.
+        "group_ids": prompt_groups(b)[0],
     }
+    if case.trajectory_rows:
+        batch["trajectory_ids"] = torch.arange(b) // case.trajectory_rows
     if case.objective != "sft":
         # Rollout data around the tiny model's own log-probs (about -log V), so that the PPO
         # ratio lands on both sides of the clip range; advantages are per sequence.
@@ -113,6 +122,14 @@ def prompt_groups(global_batch_size: int) -> tuple[torch.Tensor, int]:
         ids.extend([group] * PROMPT_GROUP_SIZES[group % len(PROMPT_GROUP_SIZES)])
         group += 1
     return torch.tensor(ids[:global_batch_size]), group
+
+
+def id_ranges(case: OracleCase) -> dict[str, int]:
+    """The id ranges every micro-batch carries beside its slice of the batch's ids."""
+    ranges = {"num_groups": prompt_groups(case.global_batch_size)[1]}
+    if case.trajectory_rows:
+        ranges["num_trajectories"] = -(-case.global_batch_size // case.trajectory_rows)
+    return ranges
 
 
 def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:

@@ -21,12 +21,14 @@ from typing import Any
 
 from megatron_lossfix.agreement import Agreement, StepSettings
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
+from megatron_lossfix.audit.oracle_case import id_ranges
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 CASES = (
+    "none",
     "missing-mask",
     "non-dict",
     "no-iterator",
@@ -36,9 +38,15 @@ CASES = (
     "short",
     "per-token-missing-mask",
     "int-loss",
+    "group-id-range",
+    "group-id-float",
+    "group-ids-missing",
+    "group-range-disagree",
 )
-"""``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
-after the pre-step agreement; the agreement after the step refuses it on every rank."""
+"""``none`` breaks nothing. ``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
+after the pre-step agreement; the agreement after the step refuses it on every rank. The
+``group-*`` cases break the group ids of ``group_mean``: an id out of range, float ids, no ids,
+and a rank whose ``num_groups`` differs from its peers'."""
 
 
 def _store() -> Any:
@@ -100,6 +108,16 @@ def _broken_iterator(case: str, mbs: list[dict]) -> Any:
         return iter([{**mb, "loss_mask": mb["loss_mask"] * 0.5} for mb in mbs])
     if case == "short":
         return iter(mbs[:1])
+    if case == "group-id-range":  # the last sequence's id is the range itself
+        return iter(
+            [{**mb, "group_ids": mb["group_ids"].clone().fill_(mb["num_groups"])} for mb in mbs]
+        )
+    if case == "group-id-float":
+        return iter([{**mb, "group_ids": mb["group_ids"].float()} for mb in mbs])
+    if case == "group-ids-missing":
+        return iter([{k: v for k, v in mb.items() if k != "group_ids"} for mb in mbs])
+    if case == "group-range-disagree":
+        return iter([{**mb, "num_groups": mb["num_groups"] + 1} for mb in mbs])
     return iter(mbs)
 
 
@@ -107,6 +125,22 @@ def refusal_case(
     case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
 ) -> tuple[str, str | None, float]:
     """Pool worker (world 4): see the module docstring."""
+    return _refusal_step(case, mode, bad_rank, hold_s)[0]
+
+
+def refusal_and_gradient(
+    case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
+) -> tuple[str, str | None, float, float]:
+    """Pool worker (world 4): :func:`refusal_case`'s outcome and the largest absolute gradient
+    entry this rank's model holds after the step (0 where nothing was trained)."""
+    outcome, chunks = _refusal_step(case, mode, bad_rank, hold_s)
+    largest = max(float(p.main_grad.abs().max()) for c in chunks for p in c.parameters())
+    return (*outcome, largest)
+
+
+def _refusal_step(
+    case: str, mode: str, bad_rank: int, hold_s: float
+) -> tuple[tuple[str, str | None, float], list]:
     import torch.distributed as dist
 
     if case not in CASES:
@@ -127,6 +161,7 @@ def refusal_case(
     start = dp_rank * per_rank
     mbs = [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
+        | id_ranges(oracle)
         for k in range(m)
     ]
     iterator = _broken_iterator(case, mbs) if rank == bad_rank else iter(mbs)
@@ -149,7 +184,7 @@ def refusal_case(
         outcome = (type(exc).__name__, str(exc), time.monotonic() - t0)
     # Stay connected (as a live process would) until every rank is done or hold_s passed.
     _meet(store, "done", world, hold_s)
-    return outcome
+    return outcome, chunks
 
 
 def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
