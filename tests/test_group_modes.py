@@ -10,6 +10,8 @@ it counts only sequences that have one; the two agree whenever every group has a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -316,3 +318,82 @@ def test_rl_objective_weights_kl_and_entropy_by_group():
     assert got == pytest.approx(want, rel=1e-6)
     # The token mean weighs long prompts more: another value (the check can fail).
     assert abs(objective("token_mean") - want) > 1e-3 * abs(want)
+
+
+# ---------------------------------------------------------------------------------- the step
+# One step of the tiny GPT through LossFixSchedule (the audit's oracle), against the one-rank,
+# one-micro-batch reference. The matrix of every mode on every layout, group_mean included, is
+# tests/test_invariance.py and tests/test_hard_layouts.py; here: trajectories, and that the
+# per-group counts must be global.
+
+NO_ATTENTION = {"no_attention": True}
+TRAJECTORY_CASES = {
+    "dp2-m3": ({"trajectory_rows": 3}, "dp2-m3"),
+    "tp2-pp2-dp2-m3": ({"trajectory_rows": 3}, "tp2-pp2-dp2-m3"),
+    "cp2xdp2-m3-sharded-data": (
+        {
+            "trajectory_rows": 3,
+            "model_kwargs": NO_ATTENTION,
+            "schedule_kwargs": {"data_is_cp_sharded": True},
+        },
+        "cp2-dp2-m3",
+    ),
+    "packed-dp2-m3": (
+        {"trajectory_rows": 3, "model_kwargs": NO_ATTENTION, "packed": True},
+        "dp2-m3",
+    ),
+}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", list(TRAJECTORY_CASES))
+def test_trajectories_split_into_rows_count_once_under_every_layout(dist_pool, name):
+    """The batch's rows come in trajectories of 3 (straddling micro-batches and ranks): the
+    sequence modes weigh trajectories, exactly; a reference that weighs rows is another
+    gradient (so the check can fail)."""
+    from megatron_lossfix.audit.matrix import check_layout, parse_layout
+    from megatron_lossfix.audit.oracle import OracleCase, reference_grads, relative_error
+
+    kwargs, layout_name = TRAJECTORY_CASES[name]
+    lay = parse_layout(layout_name)
+    case = OracleCase(**kwargs)
+    modes = ("sequence_mean", "seq_mean_token_sum_norm")
+    checks = check_layout(
+        dist_pool, case, lay.parallel(), lay.world_size, lay.num_microbatches, modes
+    )
+    errors = {m: checks[m]["error"] for m in modes}
+    assert max(errors.values()) <= 1e-5, errors
+    rows = OracleCase(**{k: v for k, v in kwargs.items() if k != "trajectory_rows"})
+    for mode in modes:
+        per_row = dist_pool.run(reference_grads, 1, rows, mode)[0]["grads"]
+        assert relative_error(checks[mode]["result"]["grads"], per_row) > 1e-3, mode
+
+
+def _local_group_counts(*args, **kwargs):
+    """The oracle's layout step with each rank's per-group counts left local (the all-reduce
+    over DP x CP skipped): what the step would do without its group all-reduce."""
+    import megatron_lossfix.step as step
+    from megatron_lossfix.audit.oracle import layout_grads
+
+    real = step._group_tokens
+
+    def local(counts, ids, groups):
+        return real(counts, ids, dataclasses.replace(groups, dp_cp=None))
+
+    step._group_tokens = local
+    try:
+        return layout_grads(*args, **kwargs)
+    finally:
+        step._group_tokens = real
+
+
+@pytest.mark.oracle
+def test_group_counts_left_local_miss_the_reference(dist_pool):
+    from megatron_lossfix.audit.matrix import check_layout, parse_layout
+    from megatron_lossfix.audit.oracle import OracleCase
+
+    lay, case = parse_layout("dp2-m3"), OracleCase()
+    args = (dist_pool, case, lay.parallel(), lay.world_size, lay.num_microbatches, ("group_mean",))
+    assert check_layout(*args)["group_mean"]["error"] <= 1e-5
+    missed = check_layout(*args, worker=_local_group_counts)["group_mean"]["error"]
+    assert missed > 1e-3, missed

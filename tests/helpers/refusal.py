@@ -43,10 +43,10 @@ CASES = (
     "group-ids-missing",
     "group-range-disagree",
 )
-"""``none`` breaks nothing. ``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
-after the pre-step agreement; the agreement after the step refuses it on every rank. The
-``group-*`` cases break the group ids of ``group_mean``: an id out of range, float ids, no ids,
-and a rank whose ``num_groups`` differs from its peers'."""
+"""``none`` breaks nothing. ``int-loss`` (the loss function returns a Python int) is found
+inside Megatron's schedule, after the pre-step agreement; the agreement after the step refuses
+it on every rank. The ``group-*`` cases break the group ids of ``group_mean``: an id out of
+range, float ids, no ids, and a rank whose ``num_groups`` differs from its peers'."""
 
 
 def _store() -> Any:
