@@ -207,7 +207,10 @@ class ContractOrderDataset(torch.utils.data.Dataset):
                 tokenizer=self.tokenizer,
             )
             self._cached = (iteration, batch)
-        return {key: value[position] for key, value in self._cached[1].items()}
+        # Without the group ids: Bridge's collation would lose the step's group count that the
+        # group modes need (they refuse here, in one line).
+        batch = self._cached[1]
+        return {key: value[position] for key, value in batch.items() if key != "group_ids"}
 
 
 def _dataset_config(args: argparse.Namespace) -> Any:

@@ -243,7 +243,9 @@ def global_batch(
     tokenizer: ByteTokenizer,
     stats: DataStats | None = None,
 ) -> dict[str, Tensor]:
-    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``.
+    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``,
+    and ``group_ids`` ``[global_batch_size]``: samples of the same prompt share a group (numbered
+    in order of appearance), each text sample is a group of its own.
 
     Samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
     fresh seeded permutation each epoch. Every rank can build it and keep its own slice
@@ -259,14 +261,21 @@ def global_batch(
 
     n = len(records)
     perms: dict[int, Tensor] = {}
-    samples = []
+    samples, groups, group_ids = [], {}, []
     for k in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
         epoch, pos = divmod(k, n)
         if epoch not in perms:
             perms[epoch] = _epoch_permutation(n, seed, epoch)
-        record = records[int(perms[epoch][pos])]
+        index = int(perms[epoch][pos])
+        record = records[index]
         samples.append(encode_record(record, tokenizer, seq_length, stats))
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        # Samples of one prompt form a group (--loss-reduction group_mean); a text record is a
+        # group of its own.
+        key = ("prompt", record["prompt"]) if "prompt" in record else ("record", index)
+        group_ids.append(groups.setdefault(key, len(groups)))
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    batch["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
+    return batch
 
 
 def microbatches(
@@ -296,7 +305,9 @@ def microbatches(
         )
     per_rank = global_batch_size // dp_size
     start = dp_rank * per_rank
+    # The step's group count goes with every micro-batch (the plugin's group modes read it).
+    ranges = {"num_groups": int(batch["group_ids"].max()) + 1} if "group_ids" in batch else {}
     return [
-        {key: t[i : i + micro_batch_size] for key, t in batch.items()}
+        {key: t[i : i + micro_batch_size] for key, t in batch.items()} | ranges
         for i in range(start, start + per_rank, micro_batch_size)
     ]

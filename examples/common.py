@@ -416,6 +416,11 @@ def _layout_of(args: argparse.Namespace) -> tuple[Layout, int | None]:
     return layout, vpp
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """A micro-batch entry on ``device`` (an int, such as ``num_groups``, stays as it is)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 def stock_reported(batch: dict, loss_func: Callable) -> Callable:
     """``loss_func``, and under ``off`` (no weights in ``batch``) one whose report also carries
     what :meth:`ExampleRun.train_step` needs to log stock Megatron's loss: under ``off`` the
@@ -551,7 +556,7 @@ class ExampleRun:
         """One optimizer step over this rank's micro-batches; returns the grad norm (before
         clipping, over all shards) and the step's global metrics (``schedule.step_metrics``)."""
         # The data is built on the host; a no-op on CPU runs.
-        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
+        mbs = [{k: _to(v, self.device) for k, v in mb.items()} for mb in mbs]
         result = training.train_step(
             self.schedule,
             forward_step,
@@ -579,8 +584,9 @@ class ExampleRun:
     ) -> None:
         """Write the iteration's metrics record and print a Megatron-LM style log line (rank 0).
 
-        The record holds docs/design.md §5's fields (plus ``num_sequences``, ``reduction``), then
-        ``record``; the line ends with ``log_items`` as ``label: value`` pairs."""
+        The record holds docs/design.md §5's fields (plus ``num_sequences``, ``reduction``, and
+        ``num_groups`` in the modes over group ids), then ``record``; the line ends with
+        ``log_items`` as ``label: value`` pairs."""
         if not self.rank0:
             return
         args = self.args
@@ -591,6 +597,8 @@ class ExampleRun:
             "num_tokens": int(metrics["num_tokens"]),
             # `off` shows no sequence count (the plugin does not look at its batches).
             "num_sequences": int(metrics["num_sequences"]) if "num_sequences" in metrics else None,
+            # Modes over group ids: the groups (trajectories) with a loss token.
+            **({"num_groups": int(metrics["num_groups"])} if "num_groups" in metrics else {}),
             "step_time_s": step_time,
             "reduction": self.config.reduction,
             # Each MTP layer's loss, normalized like the main loss (plugin modes).

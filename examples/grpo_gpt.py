@@ -9,11 +9,13 @@ Where the rollouts come from:
   ``"old_logprobs"`` and ``"ref_logprobs"`` (one float per response token). Iteration i trains
   on records ``i*B .. i*B+B-1`` (B = ``--global-batch-size``, wrapping around the file), the same
   sequences in the same order under every layout. Without ``old_logprobs`` a record is on-policy
-  (its ratio is 1); ``--kl-coef`` > 0 needs ``ref_logprobs`` on every record.
+  (its ratio is 1); ``--kl-coef`` > 0 needs ``ref_logprobs`` on every record. Consecutive
+  records with the same ``prompt_ids`` form a prompt group (``--loss-reduction group_mean``).
 * Without it, the model samples ``--num-generations`` responses to each of
   ``--prompts-per-step`` prompts of an embedded task (plain autoregressive sampling, PP=1 and
   CP=1), scores them, and takes GRPO advantages (reward minus its group's mean, over the group's
-  std unless ``--no-std-normalization``). The task: each prompt names a character class and
+  std unless ``--no-std-normalization``); a prompt's responses are its group for
+  ``--loss-reduction group_mean``. The task: each prompt names a character class and
   shows one byte of it ("digits: 7", "lowercase: q", "uppercase: K"); the reward is the fraction
   of the ``--max-new-tokens`` response positions holding a byte of that class (an early
   end-of-text leaves the rest at 0). The initial model scores about 0.1; with the default flags
@@ -374,6 +376,24 @@ def encode_rollouts(
     return batch
 
 
+def prompt_groups(records: list[dict]) -> tuple[torch.Tensor, int]:
+    """Each record's prompt group in a global batch, for ``--loss-reduction group_mean``: runs
+    of consecutive records with the same ``prompt_ids`` (a prompt's responses, as GRPO writes
+    them), numbered from 0; and their number."""
+    ids, group = [], -1
+    for k, rec in enumerate(records):
+        if k == 0 or rec["prompt_ids"] != records[k - 1]["prompt_ids"]:
+            group += 1
+        ids.append(group)
+    return torch.tensor(ids), group + 1
+
+
+def with_group_range(mbs: list[dict], num_groups: int) -> list[dict]:
+    """The micro-batches with the step's group count, which the plugin's group modes read
+    beside each micro-batch's ``group_ids``."""
+    return [{**mb, "num_groups": num_groups} for mb in mbs]
+
+
 def replay_batch(records: list[dict], iteration: int, global_batch_size: int) -> list[dict]:
     """The records of ``iteration`` (0-based): the next ``global_batch_size`` in file order."""
     start = iteration * global_batch_size
@@ -596,6 +616,8 @@ class Sampler:
             for (p, _), resp, a in zip(local, responses, advantages[mine].tolist(), strict=True)
         ]
         batch = encode_rollouts(records, args.seq_length, tok.pad_id, with_ref=False)
+        # Prompt groups are G consecutive sequences of the global batch.
+        batch["group_ids"] = torch.arange(len(prompts))[mine] // args.num_generations
         batch = {k: v.to(run.device) for k, v in batch.items()}
         if self.ref_chunks is not None:
             batch["ref_logprobs"] = reference_logprobs(self.ref_chunks, batch, args, self.tp_group)
@@ -664,6 +686,7 @@ def train(args: argparse.Namespace, records: list[dict] | None) -> None:
             # A rollout without response tokens has no loss token: it trains on nothing.
             extra["no_loss_token_samples"] = sum(not r["response_ids"] for r in chosen)
             batch = encode_rollouts(chosen, args.seq_length, tok.pad_id, with_ref=has_ref)
+            batch["group_ids"], num_groups = prompt_groups(chosen)
             mbs = microbatches(
                 batch, dp_rank=run.dp_rank, dp_size=run.dp, micro_batch_size=args.micro_batch_size
             )
@@ -672,6 +695,8 @@ def train(args: argparse.Namespace, records: list[dict] | None) -> None:
             extra["rollout_time_s"] = time.perf_counter() - start
             # Already this rank's slice: contiguous micro-batches of it.
             mbs = microbatches(batch, dp_rank=0, dp_size=1, micro_batch_size=args.micro_batch_size)
+            num_groups = args.prompts_per_step
+        mbs = with_group_range(mbs, num_groups)
         grad_norm, metrics = run.train_step(step, mbs)
         rl = rl_metrics(metrics, run.config.reduction, has_ref)
         log_items = [] if sampler is None else [("reward", f"{extra['reward_mean']:.4f}")]
