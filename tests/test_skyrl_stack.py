@@ -131,6 +131,43 @@ def test_stack_on_an_older_skyrl_says_which_it_needs(capsys, monkeypatch):
     assert "needs skyrl >= 0.4 (installed: 0.3.0): pip install -e .[skyrl]" in err, err
 
 
+@pytest.mark.unit
+@needs_skyrl
+@pytest.mark.parametrize("masked_prompt", [None, 2])
+def test_skyrl_prompt_mean_is_the_plugins_group_mean_but_for_all_masked_prompts(masked_prompt):
+    """SkyRL's own prompt_mean (its advantage pre-scaling, as released) against the plugin's
+    group_mean weights on the same mini-batch: the same per-token weights while every prompt
+    has a loss token; with one prompt all masked SkyRL still counts it, so its weights are the
+    plugin's times (prompts with a loss token) / (all prompts) (docs/design.md §2)."""
+    from helpers.prompt_groups import PROMPT_ROWS, global_batch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+
+    from megatron_lossfix import loss_weights
+    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+
+    mask, _, _ = global_batch(masked_prompt)
+    ones = torch.ones_like(mask)
+    skyrl = (
+        apply_loss_reduction_to_advantages_minibatch(
+            advantages=ones,
+            loss_mask=mask,
+            loss_reduction="prompt_mean",
+            micro_batch_size=2,
+            max_seq_len=mask.shape[1],
+            prompt_boundaries=list(PROMPT_ROWS),
+        )
+        * mask
+    )
+    ids = group_ids_from_boundaries(PROMPT_ROWS, mask.shape[0])
+    (ours,) = loss_weights([mask], "prompt_mean", group_ids=[ids], num_groups=len(PROMPT_ROWS))
+    kept = len(PROMPT_ROWS) - (masked_prompt is not None)
+    torch.testing.assert_close(skyrl, ours * kept / len(PROMPT_ROWS), rtol=1e-6, atol=0)
+    if masked_prompt is not None:
+        assert not torch.allclose(skyrl, ours)
+
+
 # ------------------------------------------------------------------------------ e2e
 
 
@@ -157,11 +194,14 @@ def _errors(pool, worker, mode: str, terms: str = "all") -> dict[str, float]:
 
 @needs_skyrl
 @pytest.mark.e2e
-@pytest.mark.parametrize("terms", ["all", "kl_entropy"])
-def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms):
+@pytest.mark.parametrize(
+    "terms, mode",
+    [("all", "token_mean"), ("kl_entropy", "token_mean"), ("all", "prompt_mean")],
+)
+def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms, mode):
     from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
 
-    errors = _errors(skyrl_pool, skyrl_layout_grads, "token_mean", terms)
+    errors = _errors(skyrl_pool, skyrl_layout_grads, mode, terms)
     assert errors["skyrl+lossfix"] <= TOL, errors
     # SkyRL's per-micro-batch KL and entropy means: far from the exact objective.
     assert errors["skyrl"] > 100 * TOL, errors

@@ -258,3 +258,63 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
         "dp_allreduce_us": statistics.median(dp_times) * 1e6,
         **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
     }
+
+
+def group_counts_cost(num_groups: int = 4096, reps: int = 300, steps: int = 8) -> dict[str, float]:
+    """Pool worker (DP = world size): what ``group_mean``'s one extra all-reduce costs.
+
+    ``agreement_us`` / ``group_counts_us``: median time of one agreement-sized all-reduce and of
+    one all-reduce of ``num_groups`` float64 per-group counts over the DP group (gloo, each with
+    a host read). ``token_mean_ms`` / ``group_mean_ms``: median time of a whole training step
+    (tiny GPT, 2 micro-batches of 2 sequences) through the plugin, the second with group ids in
+    ``[0, num_groups)``, for scale."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    layout = init_layout(Layout())
+    dp = ps.get_data_parallel_world_size()
+    oracle = OracleCase(global_batch_size=4 * dp, seq_length=16)
+    chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    (agreement,) = _allreduce_seconds(reps, group)
+    counts = torch.zeros(num_groups, dtype=torch.float64)
+    per_group = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(counts, group=group)
+        counts.tolist()
+        per_group.append(time.perf_counter() - start)
+    dp_rank = ps.get_data_parallel_rank()
+    batch = make_global_batch(oracle, config.vocab_size)
+    # Sequences spread over the whole id range: most groups are empty, as in a large step.
+    batch["group_ids"] = torch.arange(oracle.global_batch_size) * (num_groups // 8 // dp)
+    mbs = [
+        {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
+        | {"num_groups": num_groups}
+        for k in range(2)
+    ]
+    step_ms: dict[str, list[float]] = {"token_mean": [], "group_mean": []}
+    for _ in range(steps):
+        for variant in step_ms:
+            schedule = LossFixSchedule(LossFixConfig(reduction=variant))
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            start = time.perf_counter()
+            schedule(
+                forward_step_func=partial(_forward_step, False),
+                data_iterator=iter(mbs),
+                model=chunks[0],
+                num_microbatches=2,
+                seq_length=oracle.seq_length,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            step_ms[variant].append((time.perf_counter() - start) * 1e3)
+    return {
+        "agreement_us": statistics.median(agreement) * 1e6,
+        "group_counts_us": statistics.median(per_group) * 1e6,
+        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+    }
