@@ -187,14 +187,15 @@ def _refusal_step(
     return outcome, chunks
 
 
-def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
-    """Per group, the seconds of ``reps`` agreement-sized all-reduces, each with its host read
-    (the read is what makes the step wait for the result)."""
+def _allreduce_seconds(reps: int, *groups: Any, vec: Any = None) -> list[list[float]]:
+    """Per group, the seconds of ``reps`` all-reduces of ``vec`` (default: an agreement-sized
+    vector), each with its host read (the read is what makes the step wait for the result)."""
     import torch
     import torch.distributed as dist
 
-    settings = StepSettings("token_mean", per_token=False)
-    vec = Agreement.of_rank(settings, num_counts=2, device=torch.device("cpu")).to_tensor()
+    if vec is None:
+        settings = StepSettings("token_mean", per_token=False)
+        vec = Agreement.of_rank(settings, num_counts=2, device=torch.device("cpu")).to_tensor()
     out: list[list[float]] = [[] for _ in groups]
     for _ in range(reps):
         for group, seconds in zip(groups, out, strict=True):
@@ -203,6 +204,39 @@ def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
             vec.tolist()
             seconds.append(time.perf_counter() - start)
     return out
+
+
+def _step_milliseconds(
+    variants: tuple[str, ...], chunks: list, mbs: list[dict], seq_length: int, steps: int
+) -> dict[str, float]:
+    """Median milliseconds of a whole training step (2 micro-batches of 2) per variant:
+    ``stock`` (Megatron's schedule) or a mode through ``LossFixSchedule``."""
+    import statistics
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    step_ms: dict[str, list[float]] = {variant: [] for variant in variants}
+    for _ in range(steps):
+        for variant in variants:
+            func = (
+                get_forward_backward_func()
+                if variant == "stock"
+                else LossFixSchedule(LossFixConfig(reduction=variant))
+            )
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            start = time.perf_counter()
+            func(
+                forward_step_func=partial(_forward_step, False),
+                data_iterator=iter(mbs),
+                model=chunks[0],
+                num_microbatches=2,
+                seq_length=seq_length,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            step_ms[variant].append((time.perf_counter() - start) * 1e3)
+    return {f"{k}_ms": statistics.median(v) for k, v in step_ms.items()}
 
 
 def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
@@ -216,7 +250,6 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     import statistics
 
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = init_layout(Layout(pp=2))
     oracle = OracleCase(global_batch_size=8, seq_length=16)
@@ -232,31 +265,10 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
         {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
         for k in range(2)
     ]
-    step_ms: dict[str, list[float]] = {"stock": [], "token_mean": []}
-    for _ in range(steps):
-        for variant in step_ms:
-            func = (
-                get_forward_backward_func()
-                if variant == "stock"
-                else LossFixSchedule(LossFixConfig(reduction=variant))
-            )
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            start = time.perf_counter()
-            func(
-                forward_step_func=partial(_forward_step, False),
-                data_iterator=iter(mbs),
-                model=chunks[0],
-                num_microbatches=2,
-                seq_length=oracle.seq_length,
-                micro_batch_size=2,
-                forward_only=False,
-            )
-            step_ms[variant].append((time.perf_counter() - start) * 1e3)
     return {
         "allreduce_us": statistics.median(times) * 1e6,
         "dp_allreduce_us": statistics.median(dp_times) * 1e6,
-        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+        **_step_milliseconds(("stock", "token_mean"), chunks, mbs, oracle.seq_length, steps),
     }
 
 
@@ -271,7 +283,6 @@ def group_counts_cost(num_groups: int = 4096, reps: int = 300, steps: int = 8) -
     import statistics
 
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     layout = init_layout(Layout())
@@ -281,12 +292,7 @@ def group_counts_cost(num_groups: int = 4096, reps: int = 300, steps: int = 8) -
     group = ps.get_data_parallel_group(with_context_parallel=True)
     (agreement,) = _allreduce_seconds(reps, group)
     counts = torch.zeros(num_groups, dtype=torch.float64)
-    per_group = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dist.all_reduce(counts, group=group)
-        counts.tolist()
-        per_group.append(time.perf_counter() - start)
+    (per_group,) = _allreduce_seconds(reps, group, vec=counts)
     dp_rank = ps.get_data_parallel_rank()
     batch = make_global_batch(oracle, config.vocab_size)
     # Sequences spread over the whole id range: most groups are empty, as in a large step.
@@ -296,25 +302,8 @@ def group_counts_cost(num_groups: int = 4096, reps: int = 300, steps: int = 8) -
         | {"num_groups": num_groups}
         for k in range(2)
     ]
-    step_ms: dict[str, list[float]] = {"token_mean": [], "group_mean": []}
-    for _ in range(steps):
-        for variant in step_ms:
-            schedule = LossFixSchedule(LossFixConfig(reduction=variant))
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            start = time.perf_counter()
-            schedule(
-                forward_step_func=partial(_forward_step, False),
-                data_iterator=iter(mbs),
-                model=chunks[0],
-                num_microbatches=2,
-                seq_length=oracle.seq_length,
-                micro_batch_size=2,
-                forward_only=False,
-            )
-            step_ms[variant].append((time.perf_counter() - start) * 1e3)
     return {
         "agreement_us": statistics.median(agreement) * 1e6,
         "group_counts_us": statistics.median(per_group) * 1e6,
-        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+        **_step_milliseconds(("token_mean", "group_mean"), chunks, mbs, oracle.seq_length, steps),
     }
