@@ -69,7 +69,7 @@ PYTEST = ("-n", "2", "--dist", "loadfile", "-q", "-rs", "--durations=20", "--fai
 #: nvidia-resiliency-ext that breaks a plain ``import megatron.core``, and verl and SkyRL pin a
 #: transformers that Bridge refuses. Each gets a virtualenv layered over the suite's.
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
-RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py")
+RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py", "tests/test_readme_stacks.py")
 VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its dependencies
 #: Likewise, and for one more reason: by their metadata verl 0.9.1 and SkyRL 0.4.0 do not resolve
 #: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.

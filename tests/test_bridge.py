@@ -294,6 +294,29 @@ def test_bridge_moe_layouts_agree(layout, tmp_path_factory):
 
 @pytest.mark.e2e
 @needs_bridge
+def test_the_plugins_own_loop_and_audit_run_beside_bridge(tmp_path):
+    """The environment ``install-bridge`` leaves keeps a plain ``import megatron.core`` working
+    (nvidia-resiliency-ext 0.4.x, which Bridge used to bring, failed megatron-core 0.19's check
+    of it): the own-loop example and the audit run there without the Bridge CPU shims."""
+    env = _env()
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{argv}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        return proc
+
+    run("-c", "import megatron.core")
+    own = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+              str(ROOT / "examples" / "own_loop.py"), "--train-iters", "1")  # fmt: skip
+    assert [json.loads(x)["iteration"] for x in own.stdout.splitlines() if x.startswith("{")] == [1]
+    run("-m", "megatron_lossfix", "audit", "--layouts", "dp2-m3", "--modes", "token_mean",
+        "--no-plot", "--no-progress", "--out", str(tmp_path / "audit"))  # fmt: skip
+    assert json.loads((tmp_path / "audit" / "audit.json").read_text())["passed"] is True
+
+
+@pytest.mark.e2e
+@needs_bridge
 def test_bridge_moe_stock_differs(tmp_path_factory):
     (ref, _), (got, _) = _runs(tmp_path_factory, ("moe-1rank", "off"), ("moe-ep2", "off"))
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])

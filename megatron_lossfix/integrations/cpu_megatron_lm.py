@@ -23,17 +23,6 @@ __all__ = ["enable_cpu_megatron_lm"]
 _CPU_LM_ENABLED = False
 
 
-def _preserving_cpu_rng(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` run without advancing the CPU random generator."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.random.fork_rng(devices=[]):
-            return func(*args, **kwargs)
-
-    return wrapper
-
-
 def enable_cpu_megatron_lm() -> bool:
     """Run Megatron-LM's ``pretrain()`` without CUDA; a no-op (returns False) when CUDA exists.
 
@@ -41,8 +30,9 @@ def enable_cpu_megatron_lm() -> bool:
     RNG) Megatron-LM's training package needs: ``initialize_megatron`` asserts CUDA unless
     ``allow_no_cuda``; ``_initialize_distributed`` and ``_set_random_seed`` build the
     model-parallel groups and seed the RNG tracker only when ``torch.cuda.device_count() > 0``;
-    ``fused_kernels.load`` builds CUDA kernels with nvcc; the JIT warm-up consumes the CPU
-    generator that CPU initialization uses next.
+    ``fused_kernels.load`` builds CUDA kernels with nvcc; the JIT warm-up compiles CUDA fusion
+    kernels (on CPU it only costs seconds per rank, and draws from the generator that CPU
+    initialization uses next).
     Call it before ``pretrain()``; idempotent.
     """
     global _CPU_LM_ENABLED
@@ -64,10 +54,11 @@ def enable_cpu_megatron_lm() -> bool:
     # torch.cuda.device_count() is 0; inside them, our one stand-in "device" is the CPU.
     wrap(initialize, "_initialize_distributed", with_one_device)
     wrap(initialize, "_set_random_seed", with_one_device)
-    # The JIT warm-up draws random inputs shaped by --micro-batch-size from the "CUDA" generator,
-    # which is the CPU one here, and CPU initialization draws the weights from it next: without
-    # this, the initial weights would depend on the micro-batch size.
-    wrap(initialize, "_warmup_jit_function", _preserving_cpu_rng)
+    # The JIT warm-up compiles CUDA fusion kernels ahead of the first step: nothing to warm up on
+    # CPU (a function the step uses compiles when first called). It would also draw random inputs
+    # shaped by --micro-batch-size from the "CUDA" generator, the CPU one here, which CPU
+    # initialization draws the weights from next.
+    wrap(initialize, "_warmup_jit_function", lambda f: lambda *args, **kwargs: None)
     # Argument validation asks for the GPU architecture (queries CUDA): none, on CPU.
     for module_name in ("megatron.training.arguments", "megatron.training.utils"):
         wrap(importlib.import_module(module_name), "get_device_arch_version", lambda f: lambda: 0)
