@@ -208,6 +208,19 @@ def test_sampling_mode_runs_and_is_layout_free(runs):
     assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(one, two, strict=True))
 
 
+@pytest.mark.e2e
+def test_sampling_mode_group_mean_is_layout_free(runs):
+    """group_mean over the sampler's prompt groups (4 responses of a prompt, straddling the 2
+    ranks' slices of 6) against one rank: the same steps; token_mean weighs them differently
+    once response lengths differ (from the second step), so the check can fail."""
+    group = [*SAMPLING, "--loss-reduction", "group_mean"]
+    two, one, token = runs.get((2, group), (1, group), (1, SAMPLING))
+    assert [r["num_groups"] for r in two] == [3, 3, 3], two
+    assert max_rel_diff(one, two, "grad_norm") <= TOL
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(one, two, strict=True))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, token, strict=True)) > 1e-4
+
+
 # ------------------------------------------------------------------ in-process: rollout files
 
 
