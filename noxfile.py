@@ -79,6 +79,9 @@ PYTEST = ("-n", "2", "--dist", "loadfile", "-q", "-rs", "--durations=20", "--fai
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py", "tests/test_readme_stacks.py")
 VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its dependencies
+#: Likewise, and for one more reason: by their metadata verl 0.9.1 and SkyRL 0.4.0 do not resolve
+#: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.
+SKYRL = "skyrl==0.4.0"
 RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
 
 
@@ -204,8 +207,10 @@ def tests_312(session: nox.Session) -> None:
         with open(pins, "w") as f:
             f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
         pip = (rl, "-m", "pip", "install", "-q")
-        _ahead(session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"),
-               (*pip, "--no-deps", VERL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))  # fmt: skip
+        stacks = ((*pip, "--no-deps", VERL, SKYRL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))
+        _ahead(
+            session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"), *stacks
+        )
     _pytest(session, "tests", *(f"--ignore={test}" for test in RL_TESTS))
     if session.posargs:
         return

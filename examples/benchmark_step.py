@@ -136,7 +136,10 @@ class Bench:
             batch["old_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
             batch["ref_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
             device = "cuda" if CUDA else "cpu"
-            mbs = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(batch, **cut)]
+            mbs = [
+                {k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in mb.items()}
+                for mb in microbatches(batch, **cut)
+            ]
             self.batches.append(mbs)
 
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:

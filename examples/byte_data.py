@@ -197,9 +197,11 @@ def _epoch_permutation(num_records: int, seed: int, epoch: int) -> Tensor:
 def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: int,
                  seq_length: int, seed: int, tokenizer: ByteTokenizer,
                  stats: DataStats | None = None) -> dict[str, Tensor]:  # fmt: skip
-    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``:
-    samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
-    fresh seeded permutation each epoch. Nothing here depends on the parallel layout."""
+    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``,
+    and ``group_ids`` ``[global_batch_size]``: samples of the same prompt share a group (numbered
+    in order of appearance), each text sample is a group of its own. Samples
+    ``iteration * global_batch_size`` onward of an endless walk over the records, in a fresh
+    seeded permutation each epoch. Nothing here depends on the parallel layout."""
     if not records:
         raise ValueError("records is empty")
     if iteration < 0:
@@ -208,13 +210,21 @@ def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: 
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
 
     perms: dict[int, Tensor] = {}
-    samples = []
+    samples, groups, group_ids = [], {}, []
     for k in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
         epoch, pos = divmod(k, len(records))
         if epoch not in perms:
             perms[epoch] = _epoch_permutation(len(records), seed, epoch)
-        samples.append(encode_record(records[int(perms[epoch][pos])], tokenizer, seq_length, stats))
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        index = int(perms[epoch][pos])
+        record = records[index]
+        samples.append(encode_record(record, tokenizer, seq_length, stats))
+        # Samples of one prompt form a group (--loss-reduction group_mean); a text record is a
+        # group of its own.
+        key = ("prompt", record["prompt"]) if "prompt" in record else ("record", index)
+        group_ids.append(groups.setdefault(key, len(groups)))
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    batch["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
+    return batch
 
 
 def microbatches(
@@ -240,7 +250,9 @@ def microbatches(
         )
     per_rank = global_batch_size // dp_size
     start = dp_rank * per_rank
+    # The step's group count goes with every micro-batch (the plugin's group modes read it).
+    ranges = {"num_groups": int(batch["group_ids"].max()) + 1} if "group_ids" in batch else {}
     return [
-        {key: t[i : i + micro_batch_size] for key, t in batch.items()}
+        {key: t[i : i + micro_batch_size] for key, t in batch.items()} | ranges
         for i in range(start, start + per_rank, micro_batch_size)
     ]

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.reduction import MODES, LossFixConfig
+from megatron_lossfix.reduction import ALIASES, MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [
@@ -89,12 +89,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--loss-reduction",
         dict(
-            choices=MODES,
+            choices=(*MODES, *ALIASES),
             default=None,
             help="how the step's loss is normalized: token_mean (every loss token equal), "
-            "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
-            "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
-            "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
+            "sequence_mean (every sequence equal; every trajectory where micro-batches carry "
+            "trajectory_ids), seq_mean_token_sum_norm (Dr. GRPO, needs --loss-norm-constant), "
+            "sum, token_mean_legacy (reproduces the old mean of per-micro-batch means), "
+            "group_mean or its alias prompt_mean (every prompt group equal, token mean inside "
+            "it; needs group_ids and num_groups in the micro-batches), or off (stock Megatron). "
+            "Not given: the plugin stays out.",
         ),
     ),
     (

@@ -9,13 +9,13 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.reduction import ALIASES, MODES
 
 pytestmark = pytest.mark.unit
 
 FROZEN = {
     # flag: (dest, default, choices, nargs-or-type)
-    "--loss-reduction": ("loss_reduction", None, MODES, "str"),
+    "--loss-reduction": ("loss_reduction", None, (*MODES, "prompt_mean"), "str"),
     "--loss-norm-constant": ("loss_norm_constant", None, None, "float"),
     "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
     "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
@@ -77,6 +77,14 @@ def test_each_mode_round_trips(mode):
     config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
     assert isinstance(config, LossFixConfig) and config.reduction == mode
     assert config.norm_constant == (512 if mode == "seq_mean_token_sum_norm" else None)
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_an_alias_gives_the_config_of_its_mode(alias):
+    config = from_args(
+        add_lossfix_args(argparse.ArgumentParser()).parse_args(["--loss-reduction", alias])
+    )
+    assert config.reduction == ALIASES[alias] == LossFixConfig(reduction=alias).reduction
 
 
 def test_debug_flags_reach_the_config():

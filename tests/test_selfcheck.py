@@ -225,6 +225,7 @@ def _check_on_rank(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.oracle_case import id_ranges
     from megatron_lossfix.audit.tiny_gpt import (
         build_tiny_gpt,
         gather_full_grads,
@@ -245,7 +246,7 @@ def _check_on_rank(
     start = rank * sum(sizes)
     local = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
     parts = {k: torch.split(v, sizes) for k, v in local.items()}
-    mbs = [{k: parts[k][i] for k in local} for i in range(m)]
+    mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(m)]
     counter = [0]
 
     def step(schedule):
@@ -327,6 +328,9 @@ PASSING = [
     ("dp2-m2-sum", Layout(), 2, 2, {"reduction": "sum"}, "split"),
     ("pp2-m4", Layout(pp=2), 2, 4, {}, "split"),
     ("pp2-m8-merge", Layout(pp=2), 2, 8, {"reduction": "sequence_mean"}, "merge"),
+    # Group ids (one per row) are cut and merged with their rows; the group count goes along.
+    ("dp2-m2-group", Layout(), 2, 2, {"reduction": "group_mean"}, "split"),
+    ("pp2-m8-merge-group", Layout(pp=2), 2, 8, {"reduction": "group_mean"}, "merge"),
     ("pp2-vpp2-m4", Layout(pp=2, vpp=2), 2, 4, {}, "split"),
     ("dp2-m2-distopt", Layout(), 2, 2, {"use_distributed_optimizer": True}, "split"),
     ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),

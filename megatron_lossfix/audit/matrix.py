@@ -25,6 +25,7 @@ from megatron_lossfix.audit.oracle import (
     relative_error,
 )
 from megatron_lossfix.audit.tiny_gpt import Layout
+from megatron_lossfix.reduction import canonical_mode
 
 __all__ = [
     "AUDIT_LAYOUTS",
@@ -175,7 +176,7 @@ def reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Pl
     # OracleCase holds dicts (unhashable); its repr lists every field, so it identifies the case.
     if mode == "token_mean_legacy":
         return (repr(case), mode, plan)
-    return (repr(case), "token_mean" if mode == "off" else mode, None)
+    return (repr(case), "token_mean" if mode == "off" else canonical_mode(mode), None)
 
 
 def reference_jobs(

@@ -16,7 +16,7 @@ from megatron_lossfix.audit.matrix import (
 )
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.stacks import STACKS, load_stack
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.reduction import ALIASES, MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",
@@ -98,7 +98,7 @@ def _allowed_modes(stack: str | None, terms: str) -> tuple[str, ...]:
     if stack is None:
         if terms != "all":
             raise ValueError(f"--terms {terms} needs --stack")
-        return MODES
+        return (*MODES, *ALIASES)
     module = load_stack(stack)
     offered = getattr(module, "TERMS", {"all": tuple(module.MODES)})
     if terms not in offered:
@@ -195,8 +195,9 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "--modes",
         type=_csv(None),
         help=f"comma-separated reduction modes to check (default: all: {','.join(MODES)}); "
-        "`off` is stock Megatron, the baseline, allowed to miss. With --stack, the framework's "
-        "own loss modes (default: all that have a counterpart here)",
+        "`off` is stock Megatron, the baseline, allowed to miss; prompt_mean is group_mean "
+        "(the data's prompt groups straddle ranks and micro-batches). With --stack, the "
+        "framework's own loss modes (default: all that have a counterpart here)",
     )
     parser.add_argument(
         "--layouts",

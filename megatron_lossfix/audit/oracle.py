@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.audit.oracle_case import OracleCase, make_global_batch, microbatch_plan
+from megatron_lossfix.audit.oracle_case import (
+    OracleCase,
+    id_ranges,
+    make_global_batch,
+    microbatch_plan,
+    prompt_groups,
+)
 
 __all__ = [
     "OracleCase",
@@ -44,9 +50,10 @@ def _split(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict]:
 
 
 def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back."""
+    """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back (one id per
+    sequence stays one id per packed sequence)."""
     b, s = mb["tokens"].shape
-    packed = {k: v.reshape(1, b * s) for k, v in mb.items()}
+    packed = {k: v.reshape(1, b * s) if v.dim() > 1 else v for k, v in mb.items()}
     packed["cu_seqlens"] = torch.arange(
         0, b * s + 1, s, dtype=torch.int32, device=mb["tokens"].device
     )
@@ -182,7 +189,7 @@ def _local_microbatches(
         mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
-    return mbs
+    return [{**mb, **id_ranges(case)} for mb in mbs]
 
 
 def layout_grads(
@@ -244,20 +251,30 @@ def layout_grads(
 
 def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
-    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D.
-    Every rank computes them for the whole mini-batch it holds (``rank_local``)."""
+    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D; for
+    ``group_mean`` (``prompt_mean``) over the global batch's prompt groups. Every rank computes
+    them for the whole mini-batch it holds (``rank_local``)."""
     from megatron_lossfix.losses import loss_weights
+    from megatron_lossfix.reduction import canonical_mode
 
-    target = "token_mean" if mode == "off" else mode
+    target = "token_mean" if mode == "off" else canonical_mode(mode)
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
-        local = {"norm_constant": case.norm_for(target), "rank_local": True}
+        ranges, kwargs = id_ranges(case), {"rank_local": True}
+        if target == "group_mean":
+            ids = prompt_groups(mask.shape[0])[0].to(mask.device)
+            kwargs |= {"group_ids": [ids], "num_groups": ranges["num_groups"]}
+        elif case.trajectory_rows and target in ("sequence_mean", "seq_mean_token_sum_norm"):
+            ids = torch.arange(mask.shape[0], device=mask.device) // case.trajectory_rows
+            kwargs |= {"trajectory_ids": [ids], "num_trajectories": ranges["num_trajectories"]}
         if target != "token_mean_legacy":
-            return loss_weights([mask], target, **local)[0]
+            return loss_weights([mask], target, norm_constant=case.norm_for(target), **kwargs)[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
         return torch.cat(
             [
-                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target, **local))
+                torch.cat(
+                    loss_weights(list(torch.split(masks, list(sizes))), target, rank_local=True)
+                )
                 for masks, sizes in zip(rank_masks, plan, strict=True)
             ]
         ) / len(plan)
