@@ -78,13 +78,8 @@ def _check_record(record: object, where: str) -> None:
 def load_records(path: str | None) -> list[dict]:
     """Records of a JSONL file (blank lines skipped), or of the embedded corpus for ``None``;
     ``ValueError`` naming the file and line for anything else."""
-    if path is None:
-        name = "examples/data/default_corpus.jsonl"
-        text = _DEFAULT_CORPUS.read_text("utf-8")
-    else:
-        name = str(path)
-        with open(path, "rb") as f:
-            text = _decode_utf8(f.read(), name)
+    name = "examples/data/default_corpus.jsonl" if path is None else str(path)
+    text = _decode_utf8((_DEFAULT_CORPUS if path is None else Path(path)).read_bytes(), name)
     records = []
     for record, where in iter_jsonl(text, name):
         _check_record(record, where)
@@ -177,12 +172,11 @@ def encode_record(
         empty = not target and any(kept)
         stats.eos_only += empty and pair
         stats.empty_text += empty and not pair
-    mask = kept
     pad = seq_length - len(tokens)
     return {
         "tokens": torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64),
         "labels": torch.tensor(labels + [tokenizer.pad_id] * pad, dtype=torch.int64),
-        "loss_mask": torch.tensor(mask + [0.0] * pad, dtype=torch.float32),
+        "loss_mask": torch.tensor(kept + [0.0] * pad, dtype=torch.float32),
         "position_ids": torch.arange(seq_length, dtype=torch.int64),
     }
 
@@ -218,8 +212,6 @@ def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: 
         index = int(perms[epoch][pos])
         record = records[index]
         samples.append(encode_record(record, tokenizer, seq_length, stats))
-        # Samples of one prompt form a group (--loss-reduction group_mean); a text record is a
-        # group of its own.
         key = ("prompt", record["prompt"]) if "prompt" in record else ("record", index)
         group_ids.append(groups.setdefault(key, len(groups)))
     batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
@@ -237,10 +229,8 @@ def microbatches(
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
     sizes = {t.shape[0] for t in batch.values()}
-    if not sizes:
-        raise ValueError("batch has no tensors")
     if len(sizes) != 1:
-        raise ValueError(f"batch tensors disagree on the batch dimension: {sorted(sizes)}")
+        raise ValueError(f"batch tensors must share one batch dimension, got {sorted(sizes)}")
     (global_batch_size,) = sizes
     step = dp_size * micro_batch_size
     if global_batch_size % step:
