@@ -304,14 +304,14 @@ def test_microbatches_errors():
         microbatches(batch, dp_rank=0, dp_size=0, micro_batch_size=1)
     with pytest.raises(ValueError, match="micro_batch_size"):
         microbatches(batch, dp_rank=0, dp_size=1, micro_batch_size=0)
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="share one batch dimension"):
         microbatches(
             {"tokens": torch.zeros(4, 2), "labels": torch.zeros(2, 2)},
             dp_rank=0,
             dp_size=1,
             micro_batch_size=1,
         )
-    with pytest.raises(ValueError, match="no tensors"):
+    with pytest.raises(ValueError, match="share one batch dimension"):
         microbatches({}, dp_rank=0, dp_size=1, micro_batch_size=1)
 
 
