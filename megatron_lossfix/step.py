@@ -305,10 +305,12 @@ def _agree(
     cfg, groups, problem = record.config, record.groups, record.problem
     settings = StepSettings(cfg.reduction, record.per_token)
     mask_sets = [data.masks, *mtp_masks]
-    # Modes that weight by group ids add the ids' range and its square: every rank must bring
-    # the same (or none, a sequence mode without trajectory ids).
+    # The last two counts are the ids' range and its square, for modes that weight by group
+    # ids: every rank must bring the same (or none, a sequence mode without trajectory ids).
+    # Every mode sends them (zeros where unused), so that ranks disagreeing on the mode still
+    # all-reduce records of one size and hear of it in the verdict.
     by_ids = group_ids.ids_for_mode(cfg.reduction) is not None
-    num_counts = 2 * len(mask_sets) + 2 * by_ids
+    num_counts = 2 * len(mask_sets) + 2
     mine = Agreement.of_rank(settings, problem, num_counts=num_counts)
     sharded_cp = cfg.data_is_cp_sharded and groups.cp_size > 1
     checks: dict[str, torch.Tensor] = {}
@@ -600,10 +602,13 @@ def _read_batches(source: Any, num_microbatches: int) -> list:
                 f"num_microbatches={num_microbatches}"
             ) from None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-            hint = "; pass an iterator (iter(...)), not an iterable"
+            # An iterable where an iterator belongs (a list, a range) fails at next(), here or
+            # inside a wrapper such as the self-check's recorder.
+            not_iterator = not hasattr(source, "__next__") or "is not an iterator" in str(exc)
+            hint = "; pass an iterator (iter(...)), not an iterable" if not_iterator else ""
             message = (
                 f"reading micro-batch {k} from the data iterator raised {type(exc).__name__}: "
-                f"{exc}{'' if hasattr(source, '__next__') else hint}"
+                f"{exc}{hint}"
             )
             raise Problem.UNREADABLE.refusal(message, exc) from exc
     return batches
