@@ -94,7 +94,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             help="how the step's loss is normalized: token_mean (every loss token equal), "
             "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
             "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
-            "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
+            "per-micro-batch means), or off (a literal pass-through to stock Megatron). Not given: "
+            "the plugin stays out.",
         ),
     ),
     (
@@ -211,8 +212,10 @@ def schedule_from_args(
     """The schedule to call where a training loop called ``get_forward_backward_func()``.
 
     A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
-    ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
-    ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
+    ``--loss-reduction`` its mode is ``off``: a literal pass-through to Megatron's own schedule
+    (no collective, nothing added to the batches, the loss tuples handed on unchanged), so a
+    ``loss_func`` that falls back to the loss mask when ``batch`` has no ``"loss_weights"`` works
+    with and without the flag. With
     ``--lossfix-self-check`` its first training step is checked (``LossFixConfig.self_check``):
     one line with the measured gradient change when it passes, ``SelfCheckError`` when not.
 

@@ -1,5 +1,5 @@
-"""The README's verl and SkyRL commands: the install line installs what CI tests, and the stack
-audits run as printed where the stack is installed.
+"""The verl and SkyRL commands of the README and of the docs pages: the install line installs
+what CI tests, and the stack audits run as printed where the stack is installed.
 
 * unit: the install line makes its own Python 3.12 virtualenv from the ``[verl]`` and
   ``[skyrl]`` extras of ``setup.py`` (no versions of its own), every stack command runs in that
@@ -23,24 +23,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT.joinpath("README.md").read_text()
 VENV = ".venv-rl"
 BRIEF_LAYOUT = "dp2-m3"
 
 
-def _bash_lines() -> list[str]:
-    blocks = re.findall(r"^```bash\n(.*?)^```", README, flags=re.S | re.M)
-    return [line.strip() for body in blocks for line in body.splitlines() if line.strip()]
-
-
 def _stack_commands() -> list[str]:
-    return [line for line in _bash_lines() if "megatron_lossfix audit --stack" in line]
+    return [line for line in doc_pages.bash_lines() if "megatron_lossfix audit --stack" in line]
 
 
 def _install_lines() -> list[str]:
-    return [line for line in _bash_lines() if f"{VENV}/bin/pip install" in line]
+    return [line for line in doc_pages.bash_lines() if f"{VENV}/bin/pip install" in line]
 
 
 def _extras() -> dict[str, list[str]]:
@@ -95,7 +90,7 @@ def _brief(cmd: str) -> tuple[list[str], str]:
 def test_stack_audit_runs_as_printed(cmd, tmp_path):
     stack = re.search(r"--stack (\w+)", cmd)[1]
     if importlib.util.find_spec(stack) is None:
-        pytest.skip(f"{stack} is not installed (the README's {VENV} has it)")
+        pytest.skip(f"{stack} is not installed (the pages' {VENV} has it)")
     argv, out = _brief(cmd)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
