@@ -5,7 +5,8 @@
 (that is what CI runs); ``nox -s tests-3.11`` runs one, and arguments after ``--`` replace
 pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 
-* ``lint``: ``ruff check`` and ``ruff format --check``.
+* ``lint``: ``ruff check``, ``ruff format --check`` and the strict build of the documentation
+  site (``mkdocs build --strict``: a broken link, anchor or public docstring fails it).
 * ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
   depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
@@ -27,6 +28,7 @@ sources from the archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets 
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import shlex
@@ -177,12 +179,27 @@ def _collect(session: nox.Session, name: str) -> bool:
     return True
 
 
+def _extra(name: str) -> list[str]:
+    """The requirements of ``setup.py``'s extra ``name``, read without installing the project
+    (the docs build reads the sources; it needs neither torch nor megatron-core)."""
+    with open("setup.py", encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    extras = next(
+        kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+        for kw in node.keywords if kw.arg == "extras_require"
+    )  # fmt: skip
+    return ast.literal_eval(extras)[name]
+
+
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
-    """ruff, as pyproject.toml says."""
-    session.install(RUFF)
+    """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra)."""
+    session.install(RUFF, *_extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--quiet", "--site-dir", site,
+                env={"NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
 
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")

@@ -30,7 +30,7 @@ One world size by hand (timing only, rank 0 prints the tables)::
 
     torchrun --standalone --nproc-per-node 2 examples/benchmark.py --phase time
 
-On GPUs the workers use NCCL. The GPU runs in the README (one H100, steps over 100 ms)::
+On GPUs the workers use NCCL. The GPU runs of docs/benchmarks.md (one H100, steps over 100 ms)::
 
     python examples/benchmark.py --ranks 1 --num-layers 8 --hidden-size 1024 \\
         --num-attention-heads 16 --seq-length 1024 --global-batch-size 8 --rounds 5 \\

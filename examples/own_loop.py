@@ -1,5 +1,5 @@
 """A complete Megatron-Core training loop of your own, with the plugin: the recipe of the README's
-"Use it in your training script", as a script that runs.
+"Your own training loop" (docs/own_loop.md), as a script that runs.
 
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --micro-batch-size 2
 

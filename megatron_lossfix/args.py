@@ -96,8 +96,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             "trajectory_ids), seq_mean_token_sum_norm (Dr. GRPO, needs --loss-norm-constant), "
             "sum, token_mean_legacy (reproduces the old mean of per-micro-batch means), "
             "group_mean or its alias prompt_mean (every prompt group equal, token mean inside "
-            "it; needs group_ids and num_groups in the micro-batches), or off (stock Megatron). "
-            "Not given: the plugin stays out.",
+            "it; needs group_ids and num_groups in the micro-batches), or off (a literal "
+            "pass-through to stock Megatron). Not given: the plugin stays out.",
         ),
     ),
     (
@@ -218,11 +218,12 @@ def schedule_from_args(
     """The schedule to call where a training loop called ``get_forward_backward_func()``.
 
     A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
-    ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
-    ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
-    ``--loss-reduction`` its first training step is checked unless ``--no-lossfix-self-check``
-    (``LossFixConfig.self_check``): one line with the measured gradient change when it passes,
-    ``SelfCheckError`` when not.
+    ``--loss-reduction`` its mode is ``off``: a literal pass-through to Megatron's own schedule
+    (no collective, nothing added to the batches, the loss tuples handed on unchanged), so a
+    ``loss_func`` that falls back to the loss mask when ``batch`` has no ``"loss_weights"`` works
+    with and without the flag. With ``--loss-reduction`` its first training step is checked
+    unless ``--no-lossfix-self-check`` (``LossFixConfig.self_check``): one line with the
+    measured gradient change when it passes, ``SelfCheckError`` when not.
 
     Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.

@@ -213,7 +213,7 @@ def test_sft_path_is_exact_as_released_and_through_the_adapter(skyrl_pool):
     from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
 
     # SkyRL 0.3.0 divides the SFT loss mask by the mini-batch's token count on the driver and
-    # undoes Megatron's averaging: exact for token_mean (measured; see the README).
+    # undoes Megatron's averaging: exact for token_mean (measured; see docs/skyrl.md).
     errors = _errors(skyrl_pool, skyrl_layout_grads, "token_mean", "sft")
     assert max(errors.values()) <= TOL, errors
 

@@ -295,8 +295,9 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
     """The run's options from parsed flags (model size first, explicit sizes override it)."""
     size = MODEL_SIZES[args.model_size]
     modes = args.modes
-    if modes is None:
+    if modes is None:  # the plugin's modes once each: an alias only when asked for by name
         modes = _allowed_modes(args.stack, args.terms)
+        modes = [m for m in modes if args.stack is not None or m not in ALIASES]
     layouts = args.layouts
     if layouts is None:
         names = DEFAULT_LAYOUTS if args.stack is None else load_stack(args.stack).LAYOUTS
