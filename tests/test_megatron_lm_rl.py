@@ -35,7 +35,7 @@ import torch
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
 from torch.overrides import TorchFunctionMode
 
-from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl
+from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl, megatron_lm_rl_groups
 from megatron_lossfix.integrations.megatron_lm import add_args_provider
 from megatron_lossfix.reduction import LossFixConfig
 
@@ -66,10 +66,6 @@ def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
                                            rl_training_cuda_graphs=True),
         "--lossfix-self-check": _args("--loss-reduction", "token_mean", "--lossfix-self-check"),
         "--loss-norm-constant": _args("--loss-reduction", "seq_mean_token_sum_norm"),
-        # A mode the RL loop does not carry the data for (the group modes, until they are
-        # wired through rl_micro_batch): refused by name, before the config is even built.
-        "--loss-reduction prompt_mean": _args(loss_reduction="prompt_mean"),
-        "--loss-reduction group_mean": _args("--loss-reduction", "group_mean"),
         "--hybrid-context-parallel": _args("--loss-reduction", "sum",
                                            hybrid_context_parallel=True),
     }  # fmt: skip
@@ -148,6 +144,38 @@ class _HostSyncs(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Rollout:
+    def __init__(self, turns: int) -> None:
+        self.trajectory = [[1]] * turns
+
+
+@pytest.mark.unit
+def test_rows_keep_their_grpo_group_at_every_release() -> None:
+    """Each training row's group, as ``prepare_data_for_update`` forms and splits the rows:
+    from core_v0.19 the rows (one per turn) are padded to DP x micro-batch size and split;
+    before, the rollouts are split and then expanded; on main a prefix chain is one row and a
+    zero-turn rollout none. Unpacked micro-batches read the rank's rows in order, cycling."""
+    grouped = [[_Rollout(1), _Rollout(2)], [_Rollout(1), _Rollout(0)], [_Rollout(3)]]
+    rows = megatron_lm_rl_groups.row_groups
+    padded = rows(grouped, data_parallel_size=2, data_parallel_rank=1, micro_batch_size=1,
+                  pads_rows=True)  # fmt: skip
+    assert padded.global_rows == [0, 0, 0, 1, 2, 2, 2, 0] and padded.local_rows == [2, 2, 2, 0]
+    assert padded.count == 3
+    main = rows(grouped, data_parallel_size=2, data_parallel_rank=0, micro_batch_size=1,
+                pads_rows=True, collapsible=lambda r: len(r.trajectory) == 3)  # fmt: skip
+    assert main.global_rows == [0, 0, 0, 1, 2, 0] and main.local_rows == [0, 0, 0]
+    split = rows(grouped, data_parallel_size=2, data_parallel_rank=1, micro_batch_size=1,
+                 pads_rows=False)  # fmt: skip
+    assert split.global_rows == [0, 0, 0, 1] and split.local_rows == [1]
+    two = rows(grouped, data_parallel_size=1, data_parallel_rank=0, micro_batch_size=2,
+               pads_rows=True)  # fmt: skip
+    read = megatron_lm_rl_groups.micro_batch_groups
+    assert [read(two, 2) for _ in range(5)] == [[0, 0], [0, 1], [2, 2], [2, 0], [0, 0]]
+    # A packed bin: one id per packed row (an empty bin: one, for its empty sequence).
+    assert read(two, 1, [5, 2]) == [2, 0] and read(two, 1, [3]) == [1]
+    assert read(two, 1, []) == [0]
+
+
 @pytest.mark.unit
 def test_rl_loss_weighs_and_reports_without_phantom_tokens_or_host_sync() -> None:
     wrapper = megatron_lm_rl.MegatronLMRLLossFix(LossFixConfig(reduction="sum"), lambda **k: [])
@@ -179,15 +207,16 @@ if ARCHIVES and sys.version_info >= (3, 12) and "main" in archive_tags(ARCHIVES)
         TAGS = [*TAGS, "main"]
 needs_megatron_lm = pytest.mark.skipif(not TAGS, reason=skip_reason(ARCHIVES))
 
-MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy")
+MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "group_mean",
+         "token_mean_legacy")  # fmt: skip
 #: The modes that are layout-invariant (token_mean_legacy is the old per-micro-batch mean).
-INVARIANT = MODES[:4]
+INVARIANT = MODES[:5]
 NORM_CONSTANT = 32.0
 REL = 1e-6
 #: (set, sequence packing, sequences per bin, modes (None: stock)) of the launches' iterations,
 #: in order: without packing Megatron-LM asserts that the micro-batch count never decreases.
 STEPS = (
-    ("prefix_chain", False, None, (None, "token_mean", "sequence_mean")),
+    ("prefix_chain", False, None, (None, "token_mean", "sequence_mean", "group_mean")),
     ("multi", False, None, (None, *MODES)),
     ("packed", False, None, INVARIANT),  # the packed set's rows, unpacked
     ("single", False, None, (None, *MODES)),
@@ -324,6 +353,9 @@ def test_train_rl_plugin_is_layout_invariant(rl_runs: _RLRuns, tag: str, report_
                 assert counts[1] == 2 * counts[0] if more else counts[0] != counts[1], counts
                 diff = _agreement(first[i], second[j])
                 assert diff <= REL, (tag, label, mode, per_token, diff)
+                if mode == "group_mean":  # the groups weigh: not the token mean of the step
+                    mean = first[_index(steps, name, packing, per_bin, "token_mean")]
+                    assert _agreement(mean, first[i]) > 1e-3, (tag, label, per_token)
                 worst = max(worst, diff)
             cells["plugin", per_token] = worst
         row = " | ".join(f"{cells[k, pt]:.1e}" for k in ("stock", "plugin") for pt in (0, 1))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 
 from megatron_lossfix.args import from_args
 from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.integrations import megatron_lm
+from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.reduction import LossFixConfig
 
@@ -56,7 +57,7 @@ __all__ = [
 #: The modes Megatron-LM's RL loop honours (``off``: stock). A mode added to the plugin is
 #: refused here until the RL micro-batches carry what it needs (:func:`rl_micro_batch`).
 RL_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum",
-            "token_mean_legacy", "off")  # fmt: skip
+            "token_mean_legacy", "group_mean", "prompt_mean", "off")  # fmt: skip
 
 #: Where the plugin's micro-batch dict keeps the item ``train_rl.forward_step`` reads.
 ITEM_KEY = "megatron_lm_rl_item"
@@ -75,6 +76,9 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     :data:`RL_MODES`, and what the ``pretrain_gpt.py`` integration refuses
     (:func:`~megatron_lossfix.integrations.megatron_lm.incompatible_settings`).
     """
+    rl_utils = sys.modules.get("megatron.rl.rl_utils")  # train_rl.py imported it
+    if rl_utils is not None:
+        megatron_lm_rl_groups.install(rl_utils)  # records each row's GRPO group, nothing else
     mode = getattr(args, "loss_reduction", None)
     if mode is not None and mode not in RL_MODES:
         raise ValueError(
@@ -127,7 +131,12 @@ def _packing_context() -> Any:
     return get_rl_runtime_state().packing_context
 
 
-def rl_micro_batch(item: Any, mask_key: str, cu_seqlens_key: str) -> dict:
+def rl_micro_batch(
+    item: Any,
+    mask_key: str,
+    cu_seqlens_key: str,
+    groups: tuple[str, str, megatron_lm_rl_groups.RowGroups] | None = None,
+) -> dict:
     """One micro-batch of ``train_rl.py`` as the plugin reads it: ``{mask_key: [rows, positions]
     loss mask, cu_seqlens_key: boundaries (packed bins only), ITEM_KEY: item}``.
 
@@ -138,9 +147,8 @@ def rl_micro_batch(item: Any, mask_key: str, cu_seqlens_key: str) -> dict:
     every packed trajectory is one sequence: ``seq_starts`` of the bin, shifted one position to
     the left like the mask (the tokens after the last trajectory form one more, empty, segment).
 
-    This is where a micro-batch's per-row data is built: what a mode needs to know about the
-    rows (e.g. which rollout group each belongs to: ``packing_info.bin_seq_indices[bin]`` holds
-    a bin's global row indices) is added here.
+    ``groups``: ``(group ids key, group count key, record)`` adds each sequence's GRPO group
+    (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_groups`) for ``group_mean``.
     """
     context = _packing_context()
     if context is not None and len(item) == 1:  # a packed bin: (bin_index,)
@@ -151,20 +159,40 @@ def rl_micro_batch(item: Any, mask_key: str, cu_seqlens_key: str) -> dict:
         if len(bounds) < 2:
             bounds.append(0)
         cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=mask.device)
-        return {mask_key: mask, cu_seqlens_key: cu_seqlens, ITEM_KEY: item}
-    mask = item[3][:, 1:]  # train_rl.forward_step: loss_mask[:, 1:]
-    return {mask_key: mask, ITEM_KEY: item}
+        batch = {mask_key: mask, cu_seqlens_key: cu_seqlens, ITEM_KEY: item}
+        packed = True
+    else:
+        mask = item[3][:, 1:]  # train_rl.forward_step: loss_mask[:, 1:]
+        batch = {mask_key: mask, ITEM_KEY: item}
+        packed = False
+    if groups is not None:
+        ids_key, count_key, record = groups
+        bin_rows = context.packing_info.bin_seq_indices[index] if packed else None
+        ids = megatron_lm_rl_groups.micro_batch_groups(record, mask.shape[0], bin_rows)
+        batch[ids_key] = torch.tensor(ids, dtype=torch.int64, device=mask.device)
+        batch[count_key] = record.count
+    return batch
 
 
-def _rl_micro_batches(source: Any, mask_key: str, cu_seqlens_key: str) -> Iterator[dict]:
+def _rl_micro_batches(source: Any, config: LossFixConfig) -> Iterator[dict]:
     """:func:`rl_micro_batch` of each item of ``source`` (an iterator: Megatron-LM's
-    ``RerunDataIterator`` has ``__next__`` only)."""
+    ``RerunDataIterator`` has ``__next__`` only), with the rows' groups for ``group_mean``."""
+    groups = None
+    if config.reduction == "group_mean":
+        record = megatron_lm_rl_groups.step_groups(source)
+        if record is None:
+            raise ValueError(
+                "megatron_lossfix: --loss-reduction group_mean needs the rollout groups of "
+                "prepare_data_for_update; apply our patch to this Megatron-LM checkout "
+                "(python -m megatron_lossfix.patches apply PATH)"
+            )
+        groups = (config.group_ids_key, config.num_groups_key, record)
     while True:
         try:
             item = next(source)
         except StopIteration:
             return
-        yield rl_micro_batch(item, mask_key, cu_seqlens_key)
+        yield rl_micro_batch(item, config.loss_mask_key, config.cu_seqlens_key, groups)
 
 
 class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
@@ -177,7 +205,7 @@ class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
         tensor-parallel rank builds the RL data itself, so nothing is broadcast."""
         if source is None:
             return None
-        return _rl_micro_batches(source, self.config.loss_mask_key, self.config.cu_seqlens_key)
+        return _rl_micro_batches(source, self.config)
 
     def _wrap_forward_step(
         self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
