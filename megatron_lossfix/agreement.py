@@ -58,6 +58,7 @@ class Problem(enum.Enum):
     LOSS_FUNC = "the loss function failed or returned what the plugin cannot use"
     MTP = "the multi-token prediction loss could not be normalized"
     UNREDUCED = "the model's gradients are not reduced across data-parallel ranks"
+    KEPT_MASK = "a mask decided in the loss (kept_weights) is malformed"
 
     def refusal(self, message: str, cause: BaseException | None = None) -> StepRefused:
         """This rank's reason to refuse the step, of this kind, which the agreement tells every
@@ -193,15 +194,18 @@ class Agreement:
         mine: StepRefused | None,
         settings: StepSettings | None = None,
         late: Callable[[], StepRefused | None] | None = None,
-    ) -> None:
+    ) -> list[float]:
         """Raise on this rank if the step is refused; this record is the sum over the step.
+        Returns the counts, read in the same host read.
 
         ``pp_size``: the pipeline stages whose fingerprints were summed; ``mine``: this rank's
         problem; ``settings``: this rank's, for the message; ``late``: this rank's problem
         found on the device (without a sync before the all-reduce), asked only when the step
         is refused. One host read of the record.
         """
-        fp, fp_sq, problems, rank_sum, *kinds = torch.cat([self._header(), self.kinds]).tolist()
+        values = self.to_tensor().tolist()
+        fp, fp_sq, problems, rank_sum = values[:_HEADER]
+        kinds, counts = values[_HEADER : _HEADER + len(_KINDS)], values[_HEADER + len(_KINDS) :]
         stages_differ = fp * fp != pp_size * fp_sq
         if stages_differ or kinds[_KINDS.index(Problem.DISAGREE)] > 0:
             where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
@@ -211,7 +215,7 @@ class Agreement:
                 "--loss-reduction"
             )
         if problems <= 0:
-            return
+            return counts
         mine = mine if mine is not None or late is None else late()
         if mine is not None:
             raise StepRefused(f"{REFUSAL_PREFIX}{mine}", mine.kind) from mine.__cause__

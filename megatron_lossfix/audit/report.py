@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import megatron_lossfix
+from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE
 
 if TYPE_CHECKING:
     from megatron_lossfix.audit.matrix import MatrixLayout, ReferenceJob
@@ -49,6 +50,7 @@ class AuditReport:
             loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
         # `off` reports Megatron's own mean of means, not L: only its gradient is compared.
         passed = grad_err <= tol and (baseline or loss_err is None or loss_err <= tol)
+        kept = check.get("reference", {}).get("kept_token_fraction")
         row = {
             "mode": mode,
             "layout": lay.name,
@@ -57,9 +59,10 @@ class AuditReport:
             "reference_loss": ref_loss,
             "loss_rel_error": None if baseline else loss_err,
             "passed": passed,
-            # With one micro-batch in the whole step stock Megatron is exact too.
-            "expected_to_pass": not baseline or lay.total_microbatches == 1,
+            "expected_to_pass": _expected_to_pass(mode, baseline, lay),
         }
+        if kept is not None:  # a mask decided in the loss: the share of loss tokens it kept
+            row["kept_token_fraction"] = kept
         self.results.append(row)
 
     @property
@@ -93,6 +96,16 @@ class AuditReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "environment": _environment(),
         }
+
+
+def _expected_to_pass(mode: str, baseline: bool, lay: MatrixLayout) -> bool:
+    """Plugin rows must pass; stock Megatron passes with one micro-batch in the whole step; a
+    mask counted before the forward (zeroed, still counted) only where nothing is normalized."""
+    if not baseline:
+        return True
+    if mode.endswith(COUNTED_BEFORE):
+        return mode.removesuffix(COUNTED_BEFORE) == "sum"
+    return lay.total_microbatches == 1
 
 
 def _environment() -> dict[str, str]:
@@ -180,6 +193,8 @@ def _mode_order(modes: Sequence[str]) -> list[str]:
 
 def _baseline_verdict(mode: str, misses: int, layouts: int) -> str:
     what = "stock baseline" if mode == "off" else "as released"
+    if mode.endswith(COUNTED_BEFORE):
+        what = "baseline"
     return f"{what}: misses {misses}/{layouts} (allowed)" if misses else f"{what}: exact here"
 
 
@@ -220,6 +235,13 @@ def format_table(report: AuditReport) -> str:
         lines.append(_mode_label(mode).ljust(first) + "".join(cells) + "  " + verdict)
     for name, err in report.layout_errors.items():
         lines.append(f"layout {name} did not run: {err}")
+    kept = [r["kept_token_fraction"] for r in report.results if "kept_token_fraction" in r]
+    if kept:
+        lines.append(
+            f"mask decided in the loss: {1 - kept[0]:.1%} of the loss tokens dropped; the rows "
+            "'(counted before)' zero them but keep counting them (token_mean misses by exactly "
+            "that fraction)"
+        )
     verdict = "PASS" if report.passed else "FAIL"
     lines.append(
         f"{verdict}: {_count(len(report.failures), 'plugin result')} above tolerance, "
