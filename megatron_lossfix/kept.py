@@ -24,12 +24,13 @@ Under ``mask_in_loss`` the kept counts are known only after the forward passes. 
   them like loss masks, and the real pass's loss gets the weights of those masks;
 * ``ZERO``: the zeroed semantics; the kept counts only feed the metrics.
 
-Every phase checks the kept mask on the device (0/1 values, inside the loss mask, the same for
-every call of one micro-batch) and reports it in the step's agreement after the schedule, so a
-malformed mask refuses the step on every rank. Nothing here synchronizes with the host; the one
-collective inside the micro-batch loop is the sum of a sequence's kept tokens over the
-context-parallel group, for the modes whose weights need it (``sequence_mean``,
-``token_mean_legacy``), once per micro-batch.
+Every phase checks the kept mask on the device (0/1 values, the same for every call of one
+micro-batch) and reports it in the step's agreement after the schedule, so a malformed mask
+refuses the step on every rank. The mask selects among the loss tokens: what it keeps outside
+the loss mask (a filter on every position, ``lambda l: l < 8``) is ignored. Nothing here
+synchronizes with the host; the one collective inside the micro-batch loop is the sum of a
+sequence's kept tokens over the context-parallel group, for the modes whose weights need it
+(``sequence_mean``, ``token_mean_legacy``), once per micro-batch.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class KeptStep:
         self.kept_tokens: list[torch.Tensor | None] = [None] * m
         self.mask_tokens: list[torch.Tensor | None] = [None] * m
         self.flags: list[torch.Tensor | None] = [None] * m
-        """``[values not 0/1, outside the loss mask, differs between calls]`` (0/1 floats)."""
+        """``[values not 0/1, differs between calls]`` (0/1 floats)."""
         self.masks: list[torch.Tensor | None] = [None] * m
         """``COUNT``: the kept masks (float32) the counting pass recorded."""
         self._first: dict[int, torch.Tensor] = {}
@@ -224,11 +225,10 @@ class KeptStep:
                 f"{tuple(kf.shape)}"
             )
         bad_values = ((kf != 0) & (kf != 1)).any()
-        outside = ((kf != 0) & ~mask).any()
-        kf = ((kf == 1) & mask).float()  # a flagged step is refused; its values stay bounded
+        kf = ((kf == 1) & mask).float()  # only loss tokens; a flagged step is refused
         first = self._first.setdefault(k, kf)
         differs = (first != kf).any() if first is not kf else torch.zeros_like(bad_values)
-        flags = torch.stack([bad_values, outside, differs]).to(_COUNT_DTYPE)
+        flags = torch.stack([bad_values, differs]).to(_COUNT_DTYPE)
         self.flags[k] = flags if self.flags[k] is None else torch.maximum(self.flags[k], flags)
         self.called[k] = True
         self.kept_tokens[k] = kf.sum(dtype=_COUNT_DTYPE)
@@ -327,7 +327,7 @@ class KeptStep:
     def local(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's counts for the agreement, ``[calls, kept tokens, kept sequences x CP
         size]`` (each CP rank counts a whole sequence: the sum is divided by the CP size), and
-        its flags ``[values, outside, differs]``; the sequences are -1 where not whole."""
+        its flags ``[values, differs]``; the sequences are -1 where not whole."""
         zero = torch.zeros((), dtype=_COUNT_DTYPE, device=device)
         tokens = sum((t.to(device) for t in self.kept_tokens if t is not None), zero)
         if all(self.whole):
@@ -337,7 +337,7 @@ class KeptStep:
             seqs = zero - 1.0
         calls = zero + float(sum(self.called))
         flags = [f.to(device) for f in self.flags if f is not None]
-        flag = torch.zeros(3, dtype=_COUNT_DTYPE, device=device)
+        flag = torch.zeros(2, dtype=_COUNT_DTYPE, device=device)
         if flags:
             flag = torch.stack(flags).amax(0)
         return torch.stack([calls, tokens, seqs]), flag
@@ -347,13 +347,11 @@ class KeptStep:
         for k, flags in enumerate(self.flags):
             if flags is None:
                 continue
-            values, outside, differs = flags.tolist()
+            values, differs = flags.tolist()
             if values:
-                return f"micro-batch {k}: the kept mask holds values other than 0 and 1"
-            if outside:
                 return (
-                    f"micro-batch {k}: the kept mask keeps a token outside the loss mask (zero "
-                    "weight); keep only loss tokens"
+                    f"micro-batch {k}: the kept mask holds values other than 0 and 1 (bool or "
+                    "0/1; NaN, fractions and negatives are refused)"
                 )
             if differs:
                 return (

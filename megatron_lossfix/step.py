@@ -213,7 +213,7 @@ class Step:
             record.problem = unreduced  # the fix to name first: no step can be right without it
         mtp_masks = [reduction.shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
         mtp_counts = _agree(record, data, mtp_masks)
-        record.phase = _kept_phase(cfg, record.model_config)
+        record.phase = _kept_phase(cfg, record.model_config, bool(call.get("forward_only")))
         schedule = self.inner or megatron_compat.schedule_for(model, record.groups.pp)
         forward_step_func = call["forward_step_func"]
         batches = None
@@ -231,7 +231,7 @@ class Step:
             _agree_kept(record, counted=True)
         call["data_iterator"] = iterators if isinstance(given, list) else iterators[0]
         result = schedule(**call)
-        _after_schedule(record, chunks)
+        _after_schedule(record, chunks, bool(call.get("forward_only")))
         return result
 
 
@@ -357,12 +357,14 @@ def _weigh(
     return batches
 
 
-def _kept_phase(config: LossFixConfig, model_config: Any) -> Phase:
+def _kept_phase(config: LossFixConfig, model_config: Any, forward_only: bool) -> Phase:
     """The step's :class:`~megatron_lossfix.kept.Phase`, the same on every rank: it depends on
-    the config and the model only. A ``mask_in_loss`` step counts in a pass of its own where
-    a gradient scale after the schedule would also rescale terms outside the loss."""
+    the config, the model and the call only. A ``mask_in_loss`` step counts in a pass of its
+    own where a gradient scale after the schedule would also rescale terms outside the loss; a
+    forward-only call (evaluation) has no gradient, and its loss waits for the counts."""
     side_paths = bool(megatron_compat.gradient_side_paths(model_config))
-    return phase_for(config.reduction, config.mask_in_loss, config.counting_pass or side_paths)
+    counting = (config.counting_pass or side_paths) and not forward_only
+    return phase_for(config.reduction, config.mask_in_loss, counting)
 
 
 def _kept_step(record: StepRecord, data: StepData) -> KeptStep:
@@ -499,11 +501,12 @@ def _scale(outputs: Any, k: int, scale: Any, record: StepRecord) -> tuple:
 
 
 # ---------------------------------------------------------------------- after the schedule
-def _after_schedule(record: StepRecord, chunks: list) -> None:
+def _after_schedule(record: StepRecord, chunks: list, forward_only: bool) -> None:
     """Refuse the step on every rank if the loss stage hit an error inside the schedule or
     a malformed kept mask; learn the kept counts and, in a ``DEFERRED`` step, scale the
-    gradients by the mode's global factor: one small agreement over DP x CP (loss stage) and
-    the pipeline group; none on a single rank without an error or a kept mask."""
+    gradients by the mode's global factor (not in a forward-only call: it made none): one
+    small agreement over DP x CP (loss stage) and the pipeline group; none on a single rank
+    without an error or a kept mask."""
     groups, kept = record.groups, record.kept
     used = kept is not None and any(kept.called)
     if record.problem is None and not used and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
@@ -513,7 +516,7 @@ def _after_schedule(record: StepRecord, chunks: list) -> None:
         grad_scale, record.loss_scale = deferred_scale(
             record.config.reduction, record.per_token, counts
         )
-        if grad_scale != 1.0:
+        if grad_scale != 1.0 and not forward_only:
             megatron_compat.scale_gradients(chunks, grad_scale)
 
 

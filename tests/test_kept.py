@@ -142,10 +142,9 @@ def test_packed_sequences_are_counted_by_segment():
     "keep, which",
     [
         (lambda m: m * 0.5, "values other than 0 and 1"),
-        (lambda m: torch.ones_like(m), "outside the loss mask"),
         (lambda m: m.masked_fill(m.isnan(), 0) * float("nan"), "values other than 0 and 1"),
     ],
-    ids=["fraction", "outside-mask", "nan"],
+    ids=["fraction", "nan"],
 )
 def test_malformed_kept_masks_are_flagged(keep, which):
     masks, _, losses = _data(4)
@@ -155,6 +154,20 @@ def test_malformed_kept_masks_are_flagged(keep, which):
     _, flags = _agreed(step)
     assert flags.any()
     assert which in step.flag_message()
+
+
+def test_what_a_kept_mask_keeps_outside_the_loss_mask_is_ignored():
+    masks, keeps, losses = _data(7)
+    weights = loss_weights(masks, "sequence_mean")
+    everywhere = [
+        k | (torch.rand(k.shape) < 0.5) & (m == 0) for k, m in zip(keeps, masks, strict=True)
+    ]
+    results = []
+    for given in (keeps, everywhere):
+        step = _step("sequence_mean", Phase.DEFERRED, masks)
+        results.append((_loss_in_step(step, weights, given, losses), _agreed(step)))
+    (loss, (counts, flags)), (loss2, (counts2, flags2)) = results
+    assert loss == loss2 and counts == counts2 and not flags.any() and not flags2.any()
 
 
 def test_two_calls_with_different_masks_in_one_microbatch_are_flagged():
