@@ -358,15 +358,9 @@ def _reference_keep(case: OracleCase, batch: dict, output: torch.Tensor) -> torc
     from megatron_lossfix.rl.masks import keep_mask
 
     logprobs, _ = vocab_parallel_logprobs_entropy(output.detach(), batch["labels"])
-    keys = ("ratio_band", "sequence_ratio_band", "offpolicy_kl_threshold")
     old = torch.where(mask.bool(), batch["old_logprobs"], logprobs)
-    keep, _ = keep_mask(
-        logprobs,
-        old,
-        batch["advantages"],
-        mask,
-        **{k: case.rl_kwargs.get(k) for k in keys},
-    )
+    options = case.rl_objective().mask_options
+    keep, _ = keep_mask(logprobs, old, batch["advantages"], mask, **options)
     return keep.to(mask.dtype)
 
 

@@ -89,8 +89,13 @@ class OracleCase:
         """Whether the loss decides a mask from the forward pass."""
         if self.objective == "sft":
             return self.sft_keep_below is not None
-        keys = ("ratio_band", "sequence_ratio_band", "offpolicy_kl_threshold")
-        return any(self.rl_kwargs.get(k) is not None for k in keys)
+        return self.rl_objective().masks
+
+    def rl_objective(self) -> Any:
+        """The RL objective of an ``objective`` other than ``sft``."""
+        from megatron_lossfix.rl.objective import RLObjective
+
+        return RLObjective(policy_loss=self.objective, **self.rl_kwargs)
 
     def config_kwargs(self, row: str) -> dict[str, Any]:
         """``LossFixConfig`` arguments of a matrix row (:func:`row_settings`)."""

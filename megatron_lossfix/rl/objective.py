@@ -105,10 +105,18 @@ class RLObjective:
         check_threshold("offpolicy_kl_threshold", self.offpolicy_kl_threshold)
 
     @property
+    def mask_options(self) -> dict[str, Any]:
+        """The options of :func:`~megatron_lossfix.rl.masks.keep_mask` this objective sets."""
+        return {
+            "ratio_band": self.ratio_band,
+            "sequence_ratio_band": self.sequence_ratio_band,
+            "offpolicy_kl_threshold": self.offpolicy_kl_threshold,
+        }
+
+    @property
     def masks(self) -> bool:
         """Whether the objective decides a mask from the current log-probs."""
-        bands = (self.ratio_band, self.sequence_ratio_band, self.offpolicy_kl_threshold)
-        return any(b is not None for b in bands)
+        return any(value is not None for value in self.mask_options.values())
 
 
 def rl_objective(
@@ -156,15 +164,9 @@ def rl_objective(
     logp_const = logprobs.detach()
     keep, keep_stats = mask, {}
     if obj.masks:
+        old = torch.where(mask, old_logprobs, logp_const)
         keep, keep_stats = keep_mask(
-            logprobs,
-            torch.where(mask, old_logprobs, logp_const),
-            advantages,
-            mask,
-            ratio_band=obj.ratio_band,
-            sequence_ratio_band=obj.sequence_ratio_band,
-            offpolicy_kl_threshold=obj.offpolicy_kl_threshold,
-            cp_group=cp_group,
+            logprobs, old, advantages, mask, cp_group=cp_group, **obj.mask_options
         )
     w = at_least_fp32(kept_weights(weights.detach(), keep if obj.masks else None))
     weighted_stats("pg_loss_sum", "kl_sum", "entropy_sum")
