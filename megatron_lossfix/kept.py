@@ -68,19 +68,17 @@ class Phase(enum.Enum):
     REPLAY = "replay"
 
 
-def phase_for(mode: str, mask_in_loss: bool, counting_pass: bool) -> Phase:
-    """The phase a step starts in; ``counting_pass``: the weights must be final in the real
-    pass (forced by the config, or gradients that do not come from the main loss)."""
+def phase_for(mode: str, mask_in_loss: bool, counting_pass: bool, side_paths: bool) -> Phase:
+    """The phase a step starts in. ``counting_pass``: asked for (every mode counts first);
+    ``side_paths``: the gradient has terms besides the loss, which a scale after the schedule
+    would rescale (the modes that wait for a global count count first)."""
     if not mask_in_loss:
         return Phase.ZERO
+    if counting_pass:
+        return Phase.COUNT
     if mode in _LOCAL_MODES:
         return Phase.LOCAL
-    return Phase.COUNT if counting_pass else Phase.DEFERRED
-
-
-def needs_counting_pass(mode: str, mask_in_loss: bool, counting_pass: bool) -> bool:
-    """Whether the step runs the forward-only counting pass before the real one."""
-    return phase_for(mode, mask_in_loss, counting_pass) is Phase.COUNT
+    return Phase.COUNT if side_paths else Phase.DEFERRED
 
 
 @dataclass(frozen=True, slots=True)

@@ -360,11 +360,12 @@ def _weigh(
 def _kept_phase(config: LossFixConfig, model_config: Any, forward_only: bool) -> Phase:
     """The step's :class:`~megatron_lossfix.kept.Phase`, the same on every rank: it depends on
     the config, the model and the call only. A ``mask_in_loss`` step counts in a pass of its
-    own where a gradient scale after the schedule would also rescale terms outside the loss; a
-    forward-only call (evaluation) has no gradient, and its loss waits for the counts."""
-    side_paths = bool(megatron_compat.gradient_side_paths(model_config))
-    counting = (config.counting_pass or side_paths) and not forward_only
-    return phase_for(config.reduction, config.mask_in_loss, counting)
+    own where asked to, or where a gradient scale after the schedule would also rescale terms
+    outside the loss; a forward-only call (evaluation) has no gradient, and its loss waits
+    for the counts."""
+    side_paths = bool(megatron_compat.gradient_side_paths(model_config)) and not forward_only
+    counting = config.counting_pass and not forward_only
+    return phase_for(config.reduction, config.mask_in_loss, counting, side_paths)
 
 
 def _kept_step(record: StepRecord, data: StepData) -> KeptStep:

@@ -86,7 +86,7 @@ def test_excluded_tokens_leave_the_counts(mode, seed):
     )
     weights = loss_weights(masks, mode, norm_constant=_norm(mode))  # what the step hands over
     for counting in (False, True):
-        phase = phase_for(mode, True, counting)
+        phase = phase_for(mode, True, counting, False)
         step = _step(mode, phase, masks)
         got = _loss_in_step(step, weights, keeps, losses)
         counts, flags = _agreed(step)
@@ -112,7 +112,7 @@ def test_zeroed_tokens_still_count(mode):
     weights = loss_weights(masks, mode, norm_constant=_norm(mode))
     triples = list(zip(weights, keeps, losses, strict=True))
     want = sum(float((w * k * x).sum()) for w, k, x in triples)
-    step = _step(mode, phase_for(mode, False, False), masks)
+    step = _step(mode, phase_for(mode, False, False, False), masks)
     assert step.phase is Phase.ZERO
     assert _loss_in_step(step, weights, keeps, losses) == pytest.approx(want, rel=1e-6)
     outside = sum(float(weighted_sum(x, kept_weights(w, k))) for w, k, x in triples)
@@ -196,7 +196,7 @@ def test_nothing_kept_gives_zero_and_no_nan():
     masks, _, losses = _data(6)
     for mode in REDUCTIONS:
         weights = loss_weights(masks, mode, norm_constant=_norm(mode))
-        step = _step(mode, phase_for(mode, True, False), masks)
+        step = _step(mode, phase_for(mode, True, False, False), masks)
         zero = [torch.zeros_like(m, dtype=torch.bool) for m in masks]
         got = _loss_in_step(step, weights, zero, losses)
         counts, _ = _agreed(step)
@@ -247,3 +247,16 @@ def test_float_masks_accept_what_the_loss_gives():
 def test_config_refuses(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossFixConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", REDUCTIONS)
+def test_which_path_each_step_takes(mode):
+    """Zeroed: no count waits. Excluded: a counting pass where asked; else the modes with a
+    global kept count wait for the end of the schedule, unless gradient terms outside the loss
+    would be rescaled by that (then they count first); sum and token_mean_legacy need no
+    global count."""
+    assert phase_for(mode, False, True, True) is Phase.ZERO
+    assert phase_for(mode, True, True, False) is Phase.COUNT
+    local = mode in ("sum", "token_mean_legacy")
+    assert phase_for(mode, True, False, False) is (Phase.LOCAL if local else Phase.DEFERRED)
+    assert phase_for(mode, True, False, True) is (Phase.LOCAL if local else Phase.COUNT)

@@ -235,12 +235,17 @@ def format_table(report: AuditReport) -> str:
         lines.append(_mode_label(mode).ljust(first) + "".join(cells) + "  " + verdict)
     for name, err in report.layout_errors.items():
         lines.append(f"layout {name} did not run: {err}")
-    kept = [r["kept_token_fraction"] for r in report.results if "kept_token_fraction" in r]
-    if kept:
+    kept = [r for r in report.results if "kept_token_fraction" in r]
+    dropped = {r["layout"]: 1 - r["kept_token_fraction"] for r in kept}
+    if dropped:
+        shares = [f"{share:.1%}" for share in dropped.values()]
+        usual = max(set(shares), key=shares.count)
+        others = [f"{s} on {name}" for name, s in zip(dropped, shares, strict=True) if s != usual]
         lines.append(
-            f"mask decided in the loss: {1 - kept[0]:.1%} of the loss tokens dropped; the rows "
-            "'(counted before)' zero them but keep counting them (token_mean misses by exactly "
-            "that fraction)"
+            f"mask decided in the loss: {usual} of the loss tokens dropped"
+            + (f" ({', '.join(others)})" if others else "")
+            + "; the rows '(counted before)' zero them but keep counting them (token_mean "
+            "misses by exactly that fraction)"
         )
     verdict = "PASS" if report.passed else "FAIL"
     lines.append(
@@ -344,7 +349,8 @@ def _draw_axes(ax: Any, report: AuditReport, floor: float) -> None:
         f"megatron_lossfix audit: {verdict}\n"
         f"GPT {opts['num_layers']} layers, hidden {opts['hidden']}, "
         f"{opts['global_batch_size']} sequences x {opts['seq_length']} tokens, "
-        f"{'per-token' if opts['per_token_loss'] else 'per-micro-batch'} loss path",
+        f"{'per-token' if opts['per_token_loss'] else 'per-micro-batch'} loss path"
+        + (", mask decided in the loss" if opts.get("mask_in_loss") else ""),
         fontsize=11,
     )
 
