@@ -36,8 +36,14 @@ setup(
         "megatron-core>=0.16,<0.20",
     ],
     extras_require={
-        # Test-only tools; the suite runs on CPU with gloo.
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff==0.17.6", "matplotlib>=3.8"],
+        # Test-only tools; the suite runs on CPU with gloo, one pytest-xdist worker per core.
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "ruff==0.17.6",
+            "matplotlib>=3.8",
+        ],
         # Transformer Engine needs CUDA; it is used when present, never required.
         # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
         "te": ["transformer_engine[pytorch]"],

@@ -54,16 +54,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from benchmark_step import CUDA, VARIANTS, Bench, baseline, max_over_ranks, sync
-from common import (
-    add_common_args,
-    init_distributed,
-    non_negative_float,
-    non_negative_int,
-    positive_int,
-)
+from benchmark_step import CUDA, VARIANTS, Bench, baseline, max_over_ranks, start, sync
+from gpt_model import add_model_args
 
-from megatron_lossfix.cpu_compat import quiet_repeated_megatron_warnings
+from megatron_lossfix.args import non_negative_float, non_negative_int, positive_int
 
 WORKLOADS = ("sft", "rl")
 
@@ -95,10 +89,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--variant", default=None, help="internal: the memory phase's variant")
     add("--result-out", default=None, help="internal: where a worker writes its JSON result")
     args = p.parse_args(argv)
-    # common.build_model reads more model flags than these: the others at common's defaults.
-    common = argparse.ArgumentParser()
-    add_common_args(common)
-    args = argparse.Namespace(**{**vars(common.parse_args([])), **vars(args)})
+    # build_model reads more model flags than these: the others at their defaults.
+    model = argparse.ArgumentParser()
+    add_model_args(model)
+    args = argparse.Namespace(**{**vars(model.parse_args([])), **vars(args)})
     args.phase = args.phase or ("time" if "LOCAL_RANK" in os.environ else "driver")
     names = [n for n in args.variants.split(",") if n]
     if set(names) - set(VARIANTS):
@@ -225,8 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.phase == "driver":
         return driver(args, argv)
-    quiet_repeated_megatron_warnings()
-    init_distributed()
+    start()
     result = _time_phase(args) if args.phase == "time" else _memory_phase(args)
     if dist.get_rank() == 0 and args.result_out:
         Path(args.result_out).write_text(json.dumps(result))

@@ -10,16 +10,22 @@ only what it runs and prints, and this file only what it measures.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from byte_data import ByteTokenizer, global_batch, load_records, microbatches
-from common import build_model
+from gpt_model import build_model
 
-from megatron_lossfix import REDUCTIONS, LossFixConfig, LossFixSchedule, weighted_loss
-from megatron_lossfix.audit.training import Layout, init_layout, train_step
+from megatron_lossfix import (
+    REDUCTIONS,
+    LossFixConfig,
+    LossFixSchedule,
+    enable_cpu_megatron,
+    weighted_loss,
+)
 from megatron_lossfix.rl.objective import rl_loss
 
 CUDA = torch.cuda.is_available()
@@ -62,6 +68,21 @@ def _lm_loss_report(loss_func, output: torch.Tensor, **_) -> tuple:
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
+def start() -> None:
+    """torch.distributed from torchrun's environment (NCCL with GPUs), then Megatron's parallel
+    state: data parallelism only."""
+    dist.init_process_group("nccl" if CUDA else "gloo")
+    if CUDA:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    enable_cpu_megatron()  # a no-op where CUDA is available
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    share = max(1, (os.cpu_count() or 1) // dist.get_world_size())
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) else share)
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+
+
 def sync() -> None:
     torch.cuda.synchronize() if CUDA else None
 
@@ -77,16 +98,18 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, names: list[str]) -> None:
         from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.args, tokenizer = args, ByteTokenizer()
-        layout = init_layout(Layout(), seed=args.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.models = {}  # DDP fixes its gradient scaling (1/D or 1) when built: one per setting
         for per_token in sorted({VARIANTS[n][1] for n in names}):
-            chunks, _ = build_model(args, layout, tokenizer, per_token, bf16=args.bf16)
+            vocab = tokenizer.padded_vocab_size(8)
+            chunks, _ = build_model(args, vocab, per_token_loss=per_token, bf16=args.bf16)
             config = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=args.bf16)
             self.models[per_token] = (chunks, get_megatron_optimizer(config, chunks))
         self.schedules = {n: get_forward_backward_func() for n in names if not VARIANTS[n][0]}
@@ -117,11 +140,18 @@ class Bench:
         mbs, args = self.batches[index % len(self.batches)], self.args
         sync()
         t0 = time.perf_counter()
-        result = train_step(
-            schedule, partial(_forward_step, mode is not None, workload), chunks, mbs, optimizer,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, timed=True,
+        chunks[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        sync()
+        t1 = time.perf_counter()
+        reports = schedule(
+            forward_step_func=partial(_forward_step, mode is not None, workload),
+            data_iterator=iter(mbs), model=chunks[0], num_microbatches=len(mbs),
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
         )  # fmt: skip
-        reports = result.reports
+        sync()
+        fb_s = time.perf_counter() - t1
+        optimizer.step()
         if mode is None:  # Megatron-LM's train_step: sum [loss, tokens], all-reduce over DP
             val = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
             dist.all_reduce(val, group=self.dp_group)
@@ -130,7 +160,7 @@ class Bench:
             schedule.step_metrics()
         sync()
         wall = time.perf_counter() - t0
-        return {"step_s": wall, "fb_s": result.forward_backward_s}
+        return {"step_s": wall, "fb_s": fb_s}
 
     def tensor_peak(self, name: str, workload: str) -> float:
         """Peak bytes of live tensors allocated during one step, above those before it (max over

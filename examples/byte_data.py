@@ -1,16 +1,13 @@
-"""Byte-level data for the example scripts: JSONL records, masks, and layout-free global batches.
+"""Byte-level data for the example scripts: JSONL records, loss masks, layout-free global batches.
 
-A record is either ``{"prompt": str, "response": str}`` (loss only on the response) or
-``{"text": str}`` (loss on every byte); extra keys are ignored. Without a file, an embedded
-corpus of real English text is used (``data/default_corpus.jsonl``), whose records vary a lot
-in length, so sequences carry very different numbers of loss tokens: exactly the case where
-per-micro-batch averaging goes wrong.
+A record is ``{"prompt": str, "response": str}`` (loss on the response only) or ``{"text": str}``
+(loss on every byte). Without a file, an embedded corpus of real English text
+(``data/default_corpus.jsonl``) whose records vary a lot in length: sequences carry very
+different numbers of loss tokens, exactly where per-micro-batch averaging goes wrong.
 
 The global batch of an iteration depends only on the records, the iteration, the global batch
-size and the seed (docs/design.md §5). Parallel layouts only change how it is cut: DP rank
-``r`` takes the ``r``-th contiguous slice, and micro-batches are contiguous slices of that. So two
-runs with different TP/PP/DP/CP layouts or micro-batch sizes see the same sequences in the same
-order.
+size and the seed; a layout only cuts it: DP rank ``r`` takes the ``r``-th contiguous slice, and
+micro-batches are contiguous slices of that.
 """
 
 from __future__ import annotations
@@ -24,29 +21,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = [
-    "DEFAULT_SEQ_LENGTH",
-    "ByteTokenizer",
-    "DataStats",
-    "encode_record",
-    "iter_jsonl",
-    "global_batch",
-    "load_records",
-    "microbatches",
-]
+__all__ = ["DEFAULT_SEQ_LENGTH", "ByteTokenizer", "DataStats", "encode_record", "global_batch",
+           "iter_jsonl", "load_records", "microbatches"]  # fmt: skip
 
 DEFAULT_SEQ_LENGTH = 128
 
-# The embedded corpus, beside this module.
 _DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "default_corpus.jsonl"
 
 
 class ByteTokenizer:
-    """Bytes as tokens: ids 0..255 are UTF-8 bytes, then three special tokens.
-
-    No vocabulary file and no merges, so any text round-trips and token counts are easy to
-    reason about in tests.
-    """
+    """Bytes as tokens: ids 0..255 are UTF-8 bytes, then three special tokens."""
 
     pad_id = 256
     eos_id = 257
@@ -72,13 +56,9 @@ class ByteTokenizer:
 
 def _record_kind(record: object) -> str | None:
     """``"pair"``, ``"text"`` or ``None`` when the record is neither form."""
-    if not isinstance(record, dict):
-        return None
-    if "prompt" in record and "response" in record:
+    if isinstance(record, dict) and "prompt" in record and "response" in record:
         return "pair"
-    if "text" in record:
-        return "text"
-    return None
+    return "text" if isinstance(record, dict) and "text" in record else None
 
 
 def _check_record(record: object, where: str) -> None:
@@ -96,11 +76,8 @@ def _check_record(record: object, where: str) -> None:
 
 
 def load_records(path: str | None) -> list[dict]:
-    """Records of a JSONL file, or of the embedded default corpus when ``path`` is ``None``.
-
-    Blank lines are skipped. Malformed JSON, a record of neither form, a non-string field or a
-    file without records raise ``ValueError`` naming the file (and line).
-    """
+    """Records of a JSONL file (blank lines skipped), or of the embedded corpus for ``None``;
+    ``ValueError`` naming the file and line for anything else."""
     if path is None:
         name = "examples/data/default_corpus.jsonl"
         text = _DEFAULT_CORPUS.read_text("utf-8")
@@ -108,7 +85,6 @@ def load_records(path: str | None) -> list[dict]:
         name = str(path)
         with open(path, "rb") as f:
             text = _decode_utf8(f.read(), name)
-
     records = []
     for record, where in iter_jsonl(text, name):
         _check_record(record, where)
@@ -146,24 +122,15 @@ def iter_jsonl(text: str, name: str) -> Iterator[tuple[Any, str]]:
 
 @dataclass
 class DataStats:
-    """What encoding records at a fixed ``seq_length`` cut or left without loss, per sample.
-
-    The examples log these per step: a sample that loses tokens trains on less than its record
-    says, and one without loss tokens trains on nothing (it still counts in the batch size).
-    """
+    """What encoding records at a fixed ``seq_length`` cut or left without loss: a sample that
+    loses tokens trains on less than its record says, one without loss tokens on nothing."""
 
     samples: int = 0
-    """Samples encoded."""
-    truncated: int = 0
-    """Samples longer than ``seq_length + 1`` tokens (bos + bytes + eos), cut at the end."""
-    cut_loss_tokens: int = 0
-    """Loss tokens (response or text bytes, and the eos) that truncation removed."""
-    no_loss_tokens: int = 0
-    """Samples left with no loss token: the prompt alone fills ``seq_length``."""
-    eos_only: int = 0
-    """Samples whose response is empty: the only loss token is the eos."""
-    empty_text: int = 0
-    """``{"text": ""}`` samples: the only loss token is the eos (no text to learn from)."""
+    truncated: int = 0  # longer than seq_length + 1 tokens (bos + bytes + eos): cut at the end
+    cut_loss_tokens: int = 0  # loss tokens (response or text bytes, eos) that truncation removed
+    no_loss_tokens: int = 0  # the prompt alone fills seq_length
+    eos_only: int = 0  # an empty response: the only loss token is the eos
+    empty_text: int = 0  # {"text": ""}: the only loss token is the eos
 
     def add(self, other: DataStats) -> None:
         """Accumulate ``other`` into this one (a run's total from its steps)."""
@@ -172,37 +139,31 @@ class DataStats:
 
     def as_record(self) -> dict[str, int]:
         """The counts as metrics fields (``samples`` excluded: it is the global batch size)."""
-        return {
-            "truncated_samples": self.truncated,
-            "cut_loss_tokens": self.cut_loss_tokens,
-            "no_loss_token_samples": self.no_loss_tokens,
-            "eos_only_samples": self.eos_only,
-            "empty_text_samples": self.empty_text,
-        }
+        return dict(truncated_samples=self.truncated, cut_loss_tokens=self.cut_loss_tokens,
+                    no_loss_token_samples=self.no_loss_tokens, eos_only_samples=self.eos_only,
+                    empty_text_samples=self.empty_text)  # fmt: skip
+
+    def log_items(self) -> list[tuple[str, str]]:
+        """Log-line items, ``(label, value)``, for the counts that are not zero."""
+        counts = [("truncated", self.truncated, f" ({self.cut_loss_tokens} loss tokens cut)"),
+                  ("no loss tokens", self.no_loss_tokens, ""), ("eos only", self.eos_only, ""),
+                  ("empty text", self.empty_text, "")]  # fmt: skip
+        return [(label, f"{count}{more}") for label, count, more in counts if count]
 
 
 def encode_record(
     record: dict, tokenizer: ByteTokenizer, seq_length: int, stats: DataStats | None = None
 ) -> dict[str, Tensor]:
-    """One sample, set up for next-token prediction and cut or padded to ``seq_length``.
-
-    ``ids = [bos] + prompt + response + [eos]`` (or ``[bos] + text + [eos]``); ``tokens`` is
-    ``ids[:-1]`` and ``labels`` is ``ids[1:]``, so position ``t`` predicts ``labels[t]``. The
-    loss mask is 1 where the label is a response byte or the final eos (any byte or the eos for
-    text records), 0 on prompt labels and padding. Truncation drops the end, so a long prompt
-    can leave a sequence with no loss tokens at all; the reductions must handle that. ``stats``,
-    when given, counts what was cut (:class:`DataStats`).
-    """
+    """One sample for next-token prediction, cut or padded to ``seq_length``: ``tokens`` =
+    ``ids[:-1]``, ``labels`` = ``ids[1:]`` of ``[bos] + prompt + response + [eos]``; the loss
+    mask is 1 on response (or text) labels and the eos. A long prompt can leave no loss token.
+    ``stats``, when given, counts what was cut."""
     if seq_length < 1:
         raise ValueError(f"seq_length must be a positive integer, got {seq_length}")
     _check_record(record, "record")
     pair = _record_kind(record) == "pair"
-    if pair:
-        prompt = tokenizer.encode(record["prompt"])
-        target = tokenizer.encode(record["response"])
-    else:
-        prompt, target = [], tokenizer.encode(record["text"])
-
+    prompt = tokenizer.encode(record["prompt"]) if pair else []
+    target = tokenizer.encode(record["response"] if pair else record["text"])
     ids = [tokenizer.bos_id, *prompt, *target, tokenizer.eos_id]
     # Label j is ids[j + 1]: the prompt bytes are labels 0..len(prompt)-1, the rest is target.
     mask = [0.0] * len(prompt) + [1.0] * (len(target) + 1)
@@ -233,23 +194,12 @@ def _epoch_permutation(num_records: int, seed: int, epoch: int) -> Tensor:
     return torch.randperm(num_records, generator=generator)
 
 
-def global_batch(
-    records: Sequence[dict],
-    iteration: int,
-    *,
-    global_batch_size: int,
-    seq_length: int,
-    seed: int,
-    tokenizer: ByteTokenizer,
-    stats: DataStats | None = None,
-) -> dict[str, Tensor]:
-    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``.
-
-    Samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
-    fresh seeded permutation each epoch. Every rank can build it and keep its own slice
-    (:func:`microbatches`); nothing here depends on the parallel layout. ``stats``, when given,
-    counts what encoding cut (:class:`DataStats`), for the whole global batch.
-    """
+def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: int,
+                 seq_length: int, seed: int, tokenizer: ByteTokenizer,
+                 stats: DataStats | None = None) -> dict[str, Tensor]:  # fmt: skip
+    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``:
+    samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
+    fresh seeded permutation each epoch. Nothing here depends on the parallel layout."""
     if not records:
         raise ValueError("records is empty")
     if iteration < 0:
@@ -257,25 +207,21 @@ def global_batch(
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
 
-    n = len(records)
     perms: dict[int, Tensor] = {}
     samples = []
     for k in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
-        epoch, pos = divmod(k, n)
+        epoch, pos = divmod(k, len(records))
         if epoch not in perms:
-            perms[epoch] = _epoch_permutation(n, seed, epoch)
-        record = records[int(perms[epoch][pos])]
-        samples.append(encode_record(record, tokenizer, seq_length, stats))
+            perms[epoch] = _epoch_permutation(len(records), seed, epoch)
+        samples.append(encode_record(records[int(perms[epoch][pos])], tokenizer, seq_length, stats))
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
 def microbatches(
     batch: dict[str, Tensor], *, dp_rank: int, dp_size: int, micro_batch_size: int
 ) -> list[dict[str, Tensor]]:
-    """DP rank ``dp_rank``'s micro-batches: contiguous slices of its contiguous share of ``batch``.
-
-    Concatenating every rank's micro-batches in rank order gives back ``batch``.
-    """
+    """DP rank ``dp_rank``'s micro-batches: contiguous slices of its contiguous share of
+    ``batch`` (every rank's, in rank order, give back ``batch``)."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
     if micro_batch_size < 1:
@@ -290,9 +236,7 @@ def microbatches(
     if global_batch_size % step:
         raise ValueError(
             f"global batch size {global_batch_size} is not divisible by data-parallel size "
-            f"{dp_size} x micro-batch size {micro_batch_size} = {step}; set --global-batch-size "
-            f"to a multiple of {step}, or change --micro-batch-size or the data-parallel size "
-            f"(world size / (TP x PP x CP))"
+            f"{dp_size} x micro-batch size {micro_batch_size} = {step}; use a multiple of {step}"
         )
     per_rank = global_batch_size // dp_size
     start = dp_rank * per_rank

@@ -1,137 +1,96 @@
 """SFT / pretraining of a small GPT on Megatron-Core with exact, layout-invariant loss
 normalization (megatron_lossfix). Runs on CPU (gloo) when no GPU is present, NCCL otherwise.
 
-Per-token cross entropy (GPTModel's vocab-parallel loss) on byte-level tokens; the loss counts
-only response bytes of {"prompt", "response"} records, every byte of {"text"} records. Without
---data-path it trains on the embedded default corpus. Each iteration logs one line like
-Megatron-LM and, with --metrics-out, appends one JSON object (rank 0).
+    torchrun --standalone --nproc-per-node 2 examples/pretrain_gpt.py --train-iters 100
 
-Samples are cut at --seq-length: the log line counts, per step, the samples truncated (and the
-loss tokens that cost), those left with no loss token (a prompt that fills the window) and those
-that train on the eos alone (an empty response); the metrics record has the same counts.
+Two layouts of the same run write the same loss and grad norm (to ~1e-7); add
+--loss-reduction off to both and stock Megatron disagrees with itself:
 
-Launch (two layouts of the same step; their loss and grad norm agree to ~1e-7):
     torchrun --standalone --nproc-per-node 1 examples/pretrain_gpt.py \
         --micro-batch-size 12 --global-batch-size 12 --train-iters 3 --metrics-out out/a.jsonl
     torchrun --standalone --nproc-per-node 2 examples/pretrain_gpt.py \
         --micro-batch-size 2 --global-batch-size 12 --train-iters 3 --metrics-out out/b.jsonl
-Add --loss-reduction off to see stock Megatron disagree with itself.
+
+Per-token cross entropy (GPTModel's vocab-parallel loss) on byte-level tokens: the loss counts
+only the response bytes of {"prompt", "response"} records, every byte of {"text"} records
+(--data-path; by default an embedded corpus of real text). Samples are cut at --seq-length, and
+each log line counts what that cost: samples truncated (and their loss tokens), samples left
+with no loss token (a prompt that fills the window), samples that train on the eos alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from functools import partial
-from pathlib import Path
+
+from byte_data import ByteTokenizer, DataStats, global_batch, load_records, microbatches
+from gpt_model import add_model_args
+from train_loop import Run, add_training_args, check_before_start, stock_reported
+from usage import ExampleArgumentParser, exit_before_startup
 
 from megatron_lossfix import slice_batch_for_cp, weighted_loss
 
-# `common` and `byte_data` sit beside this script: on sys.path when the script runs as a file, but
-# not when a test imports the script by path.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from byte_data import DataStats, global_batch, load_records, microbatches  # noqa: E402
-from common import (  # noqa: E402
-    ExampleArgumentParser,
-    ExampleRun,
-    UsageError,
-    add_common_args,
-    add_lossfix_flags,
-    check_launch,
-    data_log_items,
-    one_line_errors,
-    stock_reported,
-)
-
-PROG = "pretrain_gpt.py"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ExampleArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    groups = add_common_args(parser)
-    groups["training"].add_argument(
+    """The flags; a malformed one is one line, before start-up."""
+    parser = ExampleArgumentParser(prog="pretrain_gpt.py", description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    add_training_args(parser)
+    parser.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
-        help="Megatron's per-token mode: the gradient is divided by the global token count "
-        "in finalize_model_grads (the plugin feeds it exactly)",
+        help="Megatron's per-token path: finalize_model_grads divides by the global token count",
     )
-    groups["output"].add_argument(
-        "--data-path",
-        default=None,
-        help='JSONL of {"prompt", "response"} or {"text"} records; default: embedded corpus',
-    )
-    add_lossfix_flags(parser)
+    parser.add_argument("--data-path", default=None, help='JSONL of {"prompt", "response"} or '
+                        '{"text"} records; default: the embedded corpus')  # fmt: skip
     return parser.parse_args(argv)
 
 
+def read_records(args: argparse.Namespace) -> list[dict]:
+    """The training records; a file that cannot be read or parsed is one line, before start-up."""
+    try:
+        return load_records(args.data_path)
+    except OSError as exc:
+        exit_before_startup("pretrain_gpt.py", f"--data-path {args.data_path}: {exc.strerror}")
+    except ValueError as exc:
+        exit_before_startup("pretrain_gpt.py", str(exc))
+
+
 def forward_step(cp_group, data_iterator, model):
-    """Megatron forward_step: whole sequences come in; with CP each rank keeps its shard (and
-    the weights' shard, sliced along with the tokens)."""
+    """Megatron's forward_step: whole sequences come in; under CP each rank keeps its shard of
+    every per-token tensor, the plugin's weights included."""
     batch = next(data_iterator)
     if cp_group is not None:
         batch = slice_batch_for_cp(batch, cp_group)
-    # The loss mask goes to the model too: Megatron computes MTP losses (--mtp-num-layers)
-    # inside it, and the plugin weighs each MTP layer through it.
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        None,
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
-    )
-    # Under `off` no weights come in: the mask is stock's weight.
+    # The mask goes to the model too: Megatron computes the MTP losses inside it.
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])  # fmt: skip
+    # The plugin put the step's weights in the batch; under `off` the mask is stock's weight.
     loss_func = partial(weighted_loss, batch.get("loss_weights", batch["loss_mask"]))
     return output, stock_reported(batch, loss_func)
 
 
-def _load(path: str | None) -> list[dict]:
-    try:
-        return load_records(path)
-    except OSError as exc:
-        raise UsageError(f"--data-path {path}: {exc.strerror or exc}") from None
-
-
 def main(argv: list[str] | None = None) -> None:
-    with one_line_errors(PROG):
-        args = parse_args(argv)
-        # Every mistake that can be seen before start-up is reported before it.
-        check_launch(args)
-        records = _load(args.data_path)
-        train(args, records)
-
-
-def train(args: argparse.Namespace, records: list[dict]) -> None:
-    run = ExampleRun.start(args, calculate_per_token_loss=args.calculate_per_token_loss)
+    args = parse_args(argv)
+    check_before_start("pretrain_gpt.py", args)  # the plugin's flags, the batch, --metrics-out
+    records = read_records(args)
+    tokenizer = ByteTokenizer()
+    run = Run(args, tokenizer.padded_vocab_size(8), per_token_loss=args.calculate_per_token_loss)
     run.banner(records=len(records))
-    step = partial(forward_step, run.cp_group)
     total = DataStats()
     for iteration in range(1, args.train_iters + 1):
-        start = time.perf_counter()
-        stats = DataStats()
-        batch = global_batch(
-            records,
-            iteration - 1,
-            global_batch_size=args.global_batch_size,
-            seq_length=args.seq_length,
-            seed=args.seed,
-            tokenizer=run.tokenizer,
-            stats=stats,
-        )
+        start, stats = time.perf_counter(), DataStats()
+        # The same global batch for every layout; DP rank r takes the r-th contiguous slice.
+        batch = global_batch(records, iteration - 1, global_batch_size=args.global_batch_size,
+                             seq_length=args.seq_length, seed=args.seed, tokenizer=tokenizer,
+                             stats=stats)  # fmt: skip
         total.add(stats)
-        mbs = microbatches(
-            batch, dp_rank=run.dp_rank, dp_size=run.dp, micro_batch_size=args.micro_batch_size
-        )
-        grad_norm, metrics = run.train_step(step, mbs)
-        run.report(
-            iteration,
-            time.perf_counter() - start,
-            grad_norm,
-            metrics,
-            record=stats.as_record(),
-            log_items=data_log_items(stats),
-        )
+        mbs = microbatches(batch, dp_rank=run.dp_rank, dp_size=run.dp,
+                           micro_batch_size=args.micro_batch_size)  # fmt: skip
+        grad_norm, metrics = run.step(partial(forward_step, run.cp_group), mbs)
+        run.report(iteration, time.perf_counter() - start, grad_norm, metrics,
+                   record=stats.as_record(), log_items=stats.log_items())  # fmt: skip
     if run.rank0:
         print(
             f"data: {total.samples} samples over {args.train_iters} iterations at --seq-length "

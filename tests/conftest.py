@@ -50,21 +50,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("tests without a valid tier marker:\n" + "\n".join(problems))
 
 
-#: Lines that tests report for the run's summary (the figures of the Megatron-LM runs).
-FIGURES: list[str] = []
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fail-if-none-ran",
+        action="store_true",
+        help="exit 1 when no selected test passed or failed (all skipped: a missing dependency)",
+    )
 
 
 @pytest.fixture
-def report_figure():
-    """``report_figure(line)``: print ``line`` in the run's closing summary, pass or fail."""
-    return FIGURES.append
+def report_figure(record_property):
+    """``report_figure(line)``: print ``line`` in the run's closing summary, pass or fail (a
+    property of the test's report, so that it reaches the summary from pytest-xdist's workers)."""
+    return lambda line: record_property("figure", line)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if FIGURES:
+    calls = [r for reports in terminalreporter.stats.values() for r in reports
+             if getattr(r, "when", None) == "call"]  # fmt: skip
+    figures = [value for r in calls for name, value in r.user_properties if name == "figure"]
+    if figures:
         terminalreporter.section("figures")
-        for line in FIGURES:
+        for line in figures:
             terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not session.config.getoption("fail_if_none_ran") or hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its controller decides
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    if exitstatus == 0 and not stats.get("passed") and not stats.get("failed"):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        print("\nno test ran: every selected test was skipped (--fail-if-none-ran)")
 
 
 @pytest.fixture(scope="session")

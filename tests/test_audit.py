@@ -123,6 +123,61 @@ def test_audit_without_matplotlib_still_passes(dist_pool, tmp_path, monkeypatch,
     assert len(notes) == 1 and "audit.json" in notes[0], out
 
 
+def _failing_layout_grads(*args, **kwargs):
+    """A layout that cannot run: every rank raises before any gradient exists."""
+    raise RuntimeError("this layout cannot run here")
+
+
+@pytest.mark.oracle
+def test_a_layout_that_errors_fails_every_row_and_the_exit_status(dist_pool, tmp_path, capsys):
+    """No row says ``pass`` (or ``exact here``) without a figure: a layout that raised leaves
+    every row of the table unmeasured there, and the audit exits 1."""
+    assert _run(dist_pool, tmp_path, "--no-plot", worker=_failing_layout_grads) == 1
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["passed"] is False
+    assert "RuntimeError: this layout cannot run here" in report["layout_errors"]["dp2-m3"]
+    assert sorted(report["did_not_run"]) == [[m, "dp2-m3"] for m in ("off", "sum", "token_mean")]
+    table = capsys.readouterr().out.splitlines()
+    rows = [line for line in table if line.split()[0] in ("off", "token_mean", "sum")]
+    assert len(rows) == 3, table
+    for row in rows:
+        assert " error " in row, row
+        assert row.rstrip().endswith("FAIL (did not run on 1/1)"), row
+        assert " pass" not in row and "exact here" not in row, row
+    assert table[-2].startswith("FAIL: 0 plugin results above tolerance, 1 layout failed to run")
+
+
+@pytest.mark.unit
+def test_table_verdicts_count_cells_that_did_not_run():
+    """The table alone (no ranks): a row with a measured miss, a row left unmeasured on one
+    layout (baseline or not) and a clean row; only the clean ones may pass."""
+    from megatron_lossfix.audit.report import AuditReport, format_table
+
+    ran, broke = parse_layout("dp2-m3"), parse_layout("pp2-m4")
+    report = AuditReport(
+        options={"tolerance": 1e-5},
+        modes=["off", "token_mean", "sum"],
+        layouts=[{"name": ran.name, "cp": 1}, {"name": broke.name, "cp": 1}],
+    )
+    for mode, err in (("off", 0.2), ("token_mean", 1e-7), ("sum", 3e-5)):
+        report.add_result(mode, ran, {"error": err}, 1e-5)
+    report.add_result("token_mean", broke, {"error": 1e-7}, 1e-5)  # measured before the crash
+    report.layout_errors[broke.name] = "RuntimeError: boom"
+    rows = {line.split()[0]: line for line in format_table(report).splitlines()}
+    assert rows["off"].endswith("FAIL (did not run on 1/2)"), rows["off"]
+    assert rows["token_mean"].endswith("  pass"), rows["token_mean"]
+    assert rows["sum"].endswith("FAIL (1 layout, did not run on 1/2)"), rows["sum"]
+    assert not report.passed and report.did_not_run == [("off", "pp2-m4"), ("sum", "pp2-m4")]
+    # A row never measured anywhere fails the verdict even without a recorded layout error.
+    report.layout_errors.clear()
+    assert not report.passed
+    report.add_result("off", broke, {"error": 0.2}, 1e-5)
+    report.add_result("sum", broke, {"error": 1e-7}, 1e-5)
+    rows = {line.split()[0]: line for line in format_table(report).splitlines()}
+    assert rows["off"].endswith("stock baseline: misses 2/2 (allowed)"), rows["off"]
+    assert rows["sum"].endswith("FAIL (1 layout)") and not report.passed
+
+
 # `python -m megatron_lossfix audit` end to end (its own pool, the progress lines, audit.json and
 # audit.png) is the README's audit command: tests/test_readme.py runs it and checks what it
 # writes (test_audit_entry_point_writes_what_the_readme_says).

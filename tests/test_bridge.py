@@ -1,9 +1,10 @@
 """The plugin inside Megatron Bridge's own training loop (``examples/bridge_pretrain.py``).
 
-Each layout is a real ``torchrun`` of Bridge's ``pretrain()`` on CPU/gloo: a tiny GPT, byte-level
-records whose loss masks vary between sequences, 2 iterations. With the plugin, 1 rank and 2 ranks
-(DP2 with more micro-batches, TP2, PP2) agree on the loss and grad norm to 1e-6; stock Bridge
-(``--loss-reduction off``) does not; Bridge's logged ``lm loss`` is the step's loss L.
+Each layout is a launch of Bridge's ``pretrain()`` on CPU/gloo (one with torchrun, the others with
+their ranks forked from a process that imported Bridge once: ``helpers.launch``): a tiny GPT,
+byte-level records whose loss masks vary between sequences, 2 iterations. With the plugin, 1 rank
+and 2 ranks (DP2 with more micro-batches, TP2, PP2) agree on the loss and grad norm to 1e-6; stock
+Bridge (``--loss-reduction off``) does not; Bridge's logged ``lm loss`` is the step's loss L.
 
 Bridge's own LoRA (``ConfigContainer.peft``, from a base model a first run saves) and MoE (EP2 and
 a DP/micro-batch split; with the aux loss on, stock Megatron's aux gradient) run the same way.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.megatron_lm_run import Command, run_side_by_side
+from helpers.launch import Launch, launch_side_by_side
 
 from megatron_lossfix.integrations.bridge import bridge_cu_seqlens
 
@@ -83,6 +84,18 @@ CHECKED = [
 ]
 #: LoRA runs every layout in both modes: the issue's table has TP2 x sequence_mean too.
 LORA_CHECKED = [*CHECKED, ("tp2", "sequence_mean")]
+#: The run launched with torchrun itself, as users launch it; the others fork their ranks from
+#: a process that imported Bridge once (``helpers.launch``, ``PRELOAD``).
+TORCHRUN = ("dp2", "token_mean")
+#: What the example imports, in its order: the CPU mode first, then Bridge's training loop.
+PRELOAD = (
+    "megatron_lossfix.integrations.cpu_megatron_bridge:enable_cpu_bridge",
+    "megatron.bridge.training.pretrain",
+    "megatron.bridge.training.config",
+    "megatron.bridge.models",
+    "megatron.bridge.peft.lora",
+    "megatron_lossfix.integrations.bridge",
+)
 RTOL = 1e-6
 _LM_LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
 
@@ -108,11 +121,12 @@ def _env() -> dict[str, str]:
 
 
 _RUNS: dict[tuple[str, str], tuple[list[dict], str]] = {}
-_LORA_GRADS = re.compile(r"lora grads: rank (\d+): adapters (\d+), base (\[.*\])")
+#: Each rank prints its line; two ranks' prints may interleave (the text, then its newline).
+_LORA_GRADS = re.compile(r"lora grads: rank (\d+): adapters (\d+), base (\[[^]]*\])")
 
 
 def _run(layout: str, reduction: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """(metrics records, stdout) of one torchrun of the example; cached per session."""
+    """(metrics records, output) of one launch of the example; cached per session."""
     return _runs(tmp_path_factory, (layout, reduction))[0]
 
 
@@ -122,31 +136,29 @@ def _runs(tmp_path_factory: pytest.TempPathFactory, *keys: tuple[str, str]) -> l
     missing = [key for key in dict.fromkeys(keys) if key not in _RUNS]
     if any(layout.startswith("lora-") for layout, _ in missing):
         base = _lora_base(tmp_path_factory)
-    commands, outs = [], []
+    launches, outs = [], []
     for layout, reduction in missing:
         nproc, flags = LAYOUTS[layout]
         if layout.startswith("lora-"):
             flags = [flag.format(base=base) for flag in flags]
         out = tmp_path_factory.mktemp(f"bridge_{layout}_{reduction}")
-        commands.append(_command(nproc, [*flags, "--loss-reduction", reduction], out))
+        torchrun = (layout, reduction) == TORCHRUN
+        launches.append(_launch(nproc, [*flags, "--loss-reduction", reduction], out, torchrun))
         outs.append(out)
-    done = run_side_by_side(commands, timeout=1800)
-    for (layout, reduction), out, (returncode, output) in zip(missing, outs, done, strict=True):
-        if returncode != 0:
-            pytest.fail(f"{layout}/{reduction} failed:\n{output[-8000:]}")
+    done = launch_side_by_side(launches, timeout=1800)
+    for (layout, reduction), out, result in zip(missing, outs, done, strict=True):
+        if result.returncode != 0:
+            pytest.fail(f"{layout}/{reduction} failed:\n{result.output[-8000:]}")
         records = _records(out)
         assert [r["iteration"] for r in records] == [1, 2], records
-        _RUNS[layout, reduction] = (records, output)
+        _RUNS[layout, reduction] = (records, result.output)
     return [_RUNS[key] for key in keys]
 
 
-def _command(nproc: int, flags: list[str], out: Path) -> Command:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), str(ROOT / "examples" / "bridge_pretrain.py"),
-        *COMMON, *flags, "--metrics-out", str(out / "metrics.jsonl"),
-    ]  # fmt: skip
-    return Command(cmd=cmd, nproc=nproc, cwd=out, env=_env())
+def _launch(nproc: int, flags: list[str], out: Path, torchrun: bool = False) -> Launch:
+    args = [*COMMON, *flags, "--metrics-out", str(out / "metrics.jsonl")]
+    return Launch(script=ROOT / "examples" / "bridge_pretrain.py", args=args, nproc=nproc,
+                  cwd=out, env=_env(), preload=PRELOAD, torchrun=torchrun)  # fmt: skip
 
 
 def _records(out: Path) -> list[dict]:
@@ -163,10 +175,10 @@ def _lora_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out = tmp_path_factory.mktemp("bridge_lora_base")
         nproc, flags = BASE
         base = out / "base"
-        command = _command(nproc, [flag.format(base=base) for flag in flags], out)
-        ((returncode, output),) = run_side_by_side([command], timeout=1800)
-        if returncode != 0:
-            pytest.fail(f"saving the LoRA base failed:\n{output[-8000:]}")
+        launch = _launch(nproc, [flag.format(base=base) for flag in flags], out)
+        (result,) = launch_side_by_side([launch], timeout=1800)
+        if result.returncode != 0:
+            pytest.fail(f"saving the LoRA base failed:\n{result.output[-8000:]}")
         _BASE.append(base)
     return _BASE[0]
 
@@ -278,6 +290,29 @@ def test_bridge_moe_layouts_agree(layout, tmp_path_factory):
         tmp_path_factory, ("moe-1rank", "token_mean"), (layout, "token_mean")
     )
     _assert_agree(ref, got)
+
+
+@pytest.mark.e2e
+@needs_bridge
+def test_the_plugins_own_loop_and_audit_run_beside_bridge(tmp_path):
+    """The environment ``install-bridge`` leaves keeps a plain ``import megatron.core`` working
+    (nvidia-resiliency-ext 0.4.x, which Bridge used to bring, failed megatron-core 0.19's check
+    of it): the own-loop example and the audit run there without the Bridge CPU shims."""
+    env = _env()
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert proc.returncode == 0, f"{argv}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        return proc
+
+    run("-c", "import megatron.core")
+    own = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+              str(ROOT / "examples" / "own_loop.py"), "--train-iters", "1")  # fmt: skip
+    assert [json.loads(x)["iteration"] for x in own.stdout.splitlines() if x.startswith("{")] == [1]
+    run("-m", "megatron_lossfix", "audit", "--layouts", "dp2-m3", "--modes", "token_mean",
+        "--no-plot", "--no-progress", "--out", str(tmp_path / "audit"))  # fmt: skip
+    assert json.loads((tmp_path / "audit" / "audit.json").read_text())["passed"] is True
 
 
 @pytest.mark.e2e

@@ -236,7 +236,9 @@ def test_sampling_flags_are_checked(grpo):
 
 
 @pytest.mark.unit
-def test_task_reward_counts_class_bytes_and_penalizes_early_stop(grpo):
+def test_task_reward_counts_class_bytes_and_penalizes_early_stop():
+    from grpo_task import task_reward
+
     digits = frozenset(b"0123456789")
-    assert grpo.task_reward(list(b"12a4"), digits, 257, 4) == 0.75
-    assert grpo.task_reward([*b"12", 257], digits, 257, 4) == 0.5  # eos: the rest scores 0
+    assert task_reward(list(b"12a4"), digits, 257, 4) == 0.75
+    assert task_reward([*b"12", 257], digits, 257, 4) == 0.5  # eos: the rest scores 0

@@ -60,3 +60,47 @@ def test_install_bridge_refuses_in_one_line(wrong, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("megatron_lossfix install-bridge: ") and "Traceback" not in err
+
+
+def test_resiliency_pin_keeps_a_plain_megatron_core_import():
+    """megatron-core 0.19 checks nvidia-resiliency-ext's ``__version__`` (>= 0.6) whenever its
+    async checkpointing imports: 0.4.x has no ``__version__`` and 0.5.x is too old, so a plain
+    ``import megatron.core`` fails with them. The requirement leaves out exactly those."""
+    from packaging.requirements import Requirement
+
+    lines = install_bridge.REQUIREMENTS.read_text().splitlines()
+    (line,) = [x for x in lines if x.startswith("nvidia-resiliency-ext")]
+    spec = Requirement(line).specifier
+    assert [v for v in ("0.3.0", "0.4.0", "0.4.1", "0.5.0", "0.6.0", "0.7.0") if v in spec] == [
+        "0.3.0",
+        "0.6.0",
+        "0.7.0",
+    ]
+
+
+def test_install_runs_pip_without_its_conflict_report_and_says_what_it_left_out(
+    monkeypatch, capsys
+):
+    """pip's resolver lists every package Bridge names but the install leaves out: the steps
+    run with ``--no-warn-conflicts``, and the command says in one line what it left out."""
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        ran.append(cmd)
+        out = "megatron-bridge 0.6.2 imports\n" if "-c" in cmd else ""
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(install_bridge, "environment_problem", lambda: None)
+    monkeypatch.setattr(install_bridge, "_version", {**GOOD, "flashinfer-python": None}.get)
+    monkeypatch.setattr(
+        install_bridge.importlib.metadata,
+        "requires",
+        lambda name: ["torch>=2.6", "flashinfer-python==0.6.8.post1", 'pytest; extra == "dev"'],
+    )
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert cli(["install-bridge"]) == 0
+    pips = [cmd for cmd in ran if "pip" in cmd]
+    assert len(pips) == 2 and all("--no-warn-conflicts" in cmd for cmd in pips), pips
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("megatron_lossfix install-bridge: "), out
+    assert "megatron-bridge 0.6.2 imports" in out[0] and out[0].endswith(": flashinfer-python")

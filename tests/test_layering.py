@@ -265,7 +265,7 @@ def test_the_usage_check_sees_examples_patches_and_entry_points():
     """The usage map is not vacuous: it sees an example's import, the Megatron-LM patches'
     import and the dispatcher's command table."""
     users = _users_outside_tests()
-    assert "common.py" in users[f"{PACKAGE}.audit.training"]
+    assert "grpo_gpt.py" in users[f"{PACKAGE}.rl.objective"]
     assert any(u.endswith(".patch") for u in users[f"{PACKAGE}.integrations.megatron_lm"])
     assert f"{PACKAGE}.__main__" in users[f"{PACKAGE}.audit.command"]
 

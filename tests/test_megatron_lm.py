@@ -201,6 +201,9 @@ LAYOUTS = {
 #: loading the shared initial checkpoint, before training (not investigated); the MTP
 #: normalization itself is proven by tests/test_mtp.py and the examples.
 MODELS = {"dense": []}
+#: The (layout, mode) launched with torchrun itself, as users launch it; the other runs fork
+#: their ranks from a process that imported the tree once (``helpers.launch``).
+TORCHRUN = ("dp2", "fix")
 ITERS = 2
 REL = 1e-6
 
@@ -259,8 +262,9 @@ class _Runs:
                 metrics = self.root / f"{copy.name}-{layout}-{model}.jsonl"
             else:
                 args += [f for f in flags if not f.startswith("--lossfix")]
+            torchrun = (layout, mode) == TORCHRUN
             launches.append(Launch(megatron_lm_path=copy, args=args, nproc=nproc,
-                                   metrics_out=metrics))  # fmt: skip
+                                   metrics_out=metrics, torchrun=torchrun))  # fmt: skip
         for key, result in zip(missing, run_pretrain_gpts(launches, timeout=3000), strict=True):
             assert result.returncode == 0, result.output[-4000:]
             records = result.metrics if key[2] == "fix" else result.logged

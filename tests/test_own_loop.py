@@ -1,4 +1,5 @@
-"""End-to-end: ``examples/own_loop.py``, the README's own-loop recipe as a script, under torchrun.
+"""End-to-end: ``examples/own_loop.py``, the README's own-loop recipe as a script, its refusal
+under torchrun (its agreement run forks its ranks as torchrun would start them: ``helpers.launch``).
 
 One rank and DP2 must agree step by step; DP2 without ``finalize_model_grads_func`` (the
 gradients would never be reduced across ranks) must be refused at the first step on both ranks,
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.launch import launch
+from test_examples import PRELOAD, example_env
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +38,17 @@ def _records(proc: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def _forked_records(nproc: int, *args: str) -> list[dict]:
+    """The records of a launch forked from the examples' zygote (``helpers.launch``)."""
+    script = ROOT / "examples" / "own_loop.py"
+    run = launch(script, nproc, args, cwd=ROOT, env=example_env(), preload=PRELOAD, timeout=600)
+    assert run.returncode == 0, run.output[-6000:]
+    return [json.loads(line) for line in run.output.splitlines() if line.startswith("{")]
+
+
 def test_one_rank_and_dp2_agree():
-    one = _records(_own_loop(1, "--micro-batch-size", "8"))
-    two = _records(_own_loop(2, "--micro-batch-size", "2"))  # 2 ranks x 2 micro-batches
+    one = _forked_records(1, "--micro-batch-size", "8")
+    two = _forked_records(2, "--micro-batch-size", "2")  # 2 ranks x 2 micro-batches
     assert [r["iteration"] for r in one] == [r["iteration"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two, strict=True):
         assert a["num_tokens"] == b["num_tokens"]

@@ -69,29 +69,31 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     (
         "install-bridge",
         "makes a Python 3.12 environment and installs Megatron Bridge into it; CI does it in "
-        "its 3.12 world (tests/test_install_bridge.py checks its refusals)",
+        "its 3.12 world (tests/test_install_bridge.py checks its refusals, tests/test_bridge.py "
+        "that the plugin's examples and audit still run in it)",
     ),
     (
-        ".[skyrl]",
-        "installs SkyRL into the reader's environment; CI installs it in a layer over its "
-        "3.12 world (.ci/rl-requirements.txt)",
+        '".[verl,skyrl]"',
+        "makes .venv-rl (Python 3.12, torch's CUDA build, verl and SkyRL); CI installs the same "
+        "versions in a layer over its 3.12 world (tests/test_readme_stacks.py checks both "
+        "name the same ones)",
     ),
     (
         "--stack skyrl",
-        "needs SkyRL: tests/test_skyrl_stack.py runs these audits where it is installed",
+        "needs SkyRL: tests/test_readme_stacks.py runs these commands where it is installed",
     ),
     (
         "examples/bridge_pretrain.py",
         "needs Megatron Bridge: tests/test_bridge.py runs these layouts where it is installed",
     ),
     (
-        "pip install -e .[verl]",
-        "installs verl into the reader's environment; CI installs it in a layer over its "
-        "3.12 world (.ci/rl-requirements.txt)",
+        "--stack verl",
+        "needs verl: tests/test_readme_stacks.py runs this command where verl is installed",
     ),
     (
-        "--stack verl",
-        "needs verl: tests/test_verl_stack.py runs the stack audit where verl is installed",
+        "../Megatron-LM",
+        "needs Megatron-LM's sources: tests/test_readme_megatron_lm.py runs these commands as "
+        "printed with the sources from MEGATRON_LM_ARCHIVES",
     ),
     (
         "torchrun ... pretrain_gpt.py",

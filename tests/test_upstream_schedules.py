@@ -4,8 +4,8 @@ Needs ``MEGATRON_LM_ARCHIVES`` (a folder of Megatron-LM source archives; the tag
 installed megatron-core's release series is unpacked, or those of ``MEGATRON_LM_TAGS``),
 pytest-mock, and for tags >= 0.19 Megatron-LM's training dependencies (its ``test_utilities``
 imports ``megatron.training``); skips without them. Runs the tree's
-``tests/unit_tests/pipeline_parallel/test_schedules.py`` under torchrun with 8 ranks on gloo
-through :mod:`helpers.upstream_schedules` with
+``tests/unit_tests/pipeline_parallel/test_schedules.py`` on 8 ranks on gloo (launched as torchrun
+would, ``helpers.launch``) through :mod:`helpers.upstream_schedules` with
 ``LossFixSchedule(LossFixConfig(reduction="off"), forward_backward_func=<stock>)`` in place of
 each of the three schedules: every test must pass on every rank (the custom-process-group tests
 left out on gloo, see ``DESELECT``). Only when some do not is the file run stock too, to tell
@@ -18,11 +18,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.launch import launch
 from helpers.megatron_lm_run import (
     archives_folder,
     skip_reason,
@@ -44,7 +43,15 @@ pytestmark = [
 ]
 
 
-_PORTS = iter(range(29531, 29600))
+#: What the 8 ranks import, once for all the runs of a tree (``helpers.launch``).
+PRELOAD = (
+    "pytest",
+    "torch.distributed",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "helpers.upstream_schedules",
+)
 #: Left out: the custom-process-group tests build their groups with ``dist.new_group`` called
 #: with a different rank list on each rank, which NCCL tolerates; on gloo that group creation
 #: deadlocks until the group timeout now and then, stock and swapped alike, before any schedule
@@ -53,8 +60,8 @@ DESELECT = "not custom_pgs"
 
 
 def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
-    """``test id -> outcomes seen on the 8 ranks`` for one torchrun of the upstream file (or
-    of one of its tests)."""
+    """``test id -> outcomes seen on the 8 ranks`` for one launch of the upstream file (or of
+    one of its tests)."""
     env = {
         **os.environ,
         "LOSSFIX_SWAP": swap,
@@ -67,15 +74,11 @@ def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]
             ]
         ),
     }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
-        "--master-port", str(next(_PORTS)), "-m", "pytest", "-q", "-rA", "-o", "addopts=",
-        "--noconftest", "-p", "no:cacheprovider",
-        "-p", "helpers.upstream_schedules", "-k", DESELECT, test,
-    ]  # fmt: skip
-    out = subprocess.run(
-        cmd, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800
-    ).stdout
+    args = ["-q", "-rA", "-o", "addopts=", "--noconftest", "-p", "no:cacheprovider",
+            "-p", "helpers.upstream_schedules", "-k", DESELECT, test]  # fmt: skip
+    result = launch("pytest", 8, args, module=True, cwd=checkout, env=env, preload=PRELOAD,
+                    timeout=1800)  # fmt: skip
+    out = result.output
     outcomes: dict[str, set[str]] = {}
     for kind, name in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", out, re.M):
         outcomes.setdefault(name, set()).add(kind)

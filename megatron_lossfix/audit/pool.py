@@ -35,8 +35,9 @@ _STARTUP_TIMEOUT_S = 600.0
 _GRACE_S = 30.0
 
 
-# Imported by the fork server before it forks workers (see DistPool.__init__).
-_PRELOAD = [
+#: What a Megatron-Core rank imports: the fork server imports it once before it forks workers
+#: (see DistPool.__init__).
+PRELOAD = (
     "torch",
     "torch.distributed",
     "megatron.core.distributed",
@@ -44,7 +45,7 @@ _PRELOAD = [
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
     "megatron_lossfix.cpu_compat",
-]
+)
 
 
 class RemoteTraceback(Exception):
@@ -280,7 +281,7 @@ class DistPool:
             # 8 ranks start in seconds instead of importing 8 times (~30-50 s on 2 cores). It
             # is a fresh process that never touched CUDA or a process group, so forking it is
             # as safe as spawning. (Ignored if this process's fork server is already running.)
-            self._ctx.set_forkserver_preload(_PRELOAD)
+            self._ctx.set_forkserver_preload(list(PRELOAD))
         self._procs: list = []
         self._tasks: list = []
         self._results: Any = None

@@ -78,8 +78,16 @@ class AuditReport:
         return [r for r in self.results if r["mode"] not in self.baselines and not r["passed"]]
 
     @property
+    def did_not_run(self) -> list[tuple[str, str]]:
+        """``(row, layout)`` pairs with no result: the layout raised, or the row was never
+        measured there. Each one fails the audit, whatever the row (a baseline included)."""
+        names = [lay["name"] if isinstance(lay, dict) else lay for lay in self.layouts]
+        ran = {(r["mode"], r["layout"]) for r in self.results}
+        return [(m, n) for m in self.modes for n in names if (m, n) not in ran]
+
+    @property
     def passed(self) -> bool:
-        return not self.failures and not self.layout_errors
+        return not self.failures and not self.layout_errors and not self.did_not_run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +99,7 @@ class AuditReport:
             "results": self.results,
             "failures": self.failures,
             "layout_errors": self.layout_errors,
+            "did_not_run": [list(pair) for pair in self.did_not_run],
             "baselines": list(self.baselines),
             "options": self.options,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -191,11 +200,19 @@ def _mode_order(modes: Sequence[str]) -> list[str]:
     return (["off"] if "off" in modes else []) + [m for m in modes if m != "off"]
 
 
-def _baseline_verdict(mode: str, misses: int, layouts: int) -> str:
-    what = "stock baseline" if mode == "off" else "as released"
-    if mode.endswith(COUNTED_BEFORE):
-        what = "baseline"
-    return f"{what}: misses {misses}/{layouts} (allowed)" if misses else f"{what}: exact here"
+def _verdict(baseline: str | None, misses: int, errored: int, layouts: int) -> str:
+    """A row's verdict: a cell that did not run fails it, baseline or not; a baseline (named
+    ``baseline``: what it is) may miss the tolerance."""
+    if errored:
+        missed = "" if baseline is not None or not misses else f"{_count(misses, 'layout')}, "
+        return f"FAIL ({missed}did not run on {errored}/{layouts})"
+    if baseline is not None:
+        return (
+            f"{baseline}: misses {misses}/{layouts} (allowed)"
+            if misses
+            else f"{baseline}: exact here"
+        )
+    return "pass" if misses == 0 else f"FAIL ({_count(misses, 'layout')})"
 
 
 def _mode_label(mode: str) -> str:
@@ -219,19 +236,22 @@ def format_table(report: AuditReport) -> str:
         + "  verdict",
     ]
     for mode in order:
-        cells, misses = [], 0
+        cells, misses, errored = [], 0, 0
         for name, width in zip(names, widths, strict=True):
             err = errors[mode].get(name)
             if err is None:
+                errored += 1
                 cells.append("error".rjust(width))
                 continue
             ok = passed[(mode, name)]
             misses += not ok
             cells.append((f"{err:.1e}" + (" " if ok else "*")).rjust(width))
+        baseline = None
         if mode in report.baselines:
-            verdict = _baseline_verdict(mode, misses, len(names))
-        else:
-            verdict = "pass" if misses == 0 else f"FAIL ({_count(misses, 'layout')})"
+            baseline = "stock baseline" if mode == "off" else "as released"
+            if mode.endswith(COUNTED_BEFORE):
+                baseline = "baseline"
+        verdict = _verdict(baseline, misses, errored, len(names))
         lines.append(_mode_label(mode).ljust(first) + "".join(cells) + "  " + verdict)
     for name, err in report.layout_errors.items():
         lines.append(f"layout {name} did not run: {err}")
@@ -250,8 +270,8 @@ def format_table(report: AuditReport) -> str:
     verdict = "PASS" if report.passed else "FAIL"
     lines.append(
         f"{verdict}: {_count(len(report.failures), 'plugin result')} above tolerance, "
-        f"{_count(len(report.layout_errors), 'layout')} failed to run "
-        f"({report.elapsed_s:.0f} s)"
+        f"{_count(len(report.layout_errors), 'layout')} failed to run, "
+        f"{_count(len(report.did_not_run), 'result')} missing ({report.elapsed_s:.0f} s)"
     )
     return "\n".join(lines)
 

@@ -76,6 +76,11 @@ def record_numbers(metrics: dict, logged: float | None) -> dict:
 #: The keyword our patch adds to ``pretrain_gpt.loss_func``.
 LOSS_KWARG = "lossfix"
 
+#: What :func:`wrap_forward_backward_func` builds for ``train_rl.py`` (``--perform-rl-step``):
+#: ``megatron_lm_rl.wrap_forward_backward_func``, set when the patched ``train_rl.py`` imports
+#: that module (which builds on this one).
+rl_step: Callable[[Callable, argparse.Namespace], Any] | None = None
+
 
 # ---------------------------------------------------------------------------------- flags
 def add_args_provider(
@@ -158,12 +163,15 @@ class _ReceivedMasks:
         return {self._mask_key: mask}
 
 
-class _Recording:
+class Recording:
     """Passes ``next()`` through and remembers the last item (the micro-batch forward_step
-    read, holding the weights the plugin attached)."""
+    read, holding the weights the plugin attached). With ``item_key``, a dict item holding
+    that key is passed on as its value (the script's own item, which the plugin's micro-batch
+    dict carries: ``megatron_lm_rl``)."""
 
-    def __init__(self, source: Iterator) -> None:
+    def __init__(self, source: Iterator, item_key: str | None = None) -> None:
         self._source = source
+        self._item_key = item_key
         self.last: Any = None
 
     def __iter__(self) -> Iterator:
@@ -171,10 +179,12 @@ class _Recording:
 
     def __next__(self) -> Any:
         self.last = next(self._source)
+        if self._item_key is not None and isinstance(self.last, Mapping):
+            return self.last.get(self._item_key, self.last)
         return self.last
 
 
-def _accepts_kwarg(func: Callable, name: str) -> bool:
+def accepts_kwarg(func: Callable, name: str) -> bool:
     try:
         params = inspect.signature(func).parameters
     except (TypeError, ValueError):  # builtins, C callables: let the call decide
@@ -286,14 +296,18 @@ class MegatronLMLossFix:
         return result
 
     def _loss_stage_iterators(self, data_iterator: Any, tp_group: Any, tp_rank: int) -> Any:
-        key = self.config.loss_mask_key
         iterators = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
-        if tp_rank == 0:
-            if iterators[-1] is not None:
-                iterators[-1] = MasksToDevice(iterators[-1], key, tp_group)
-        else:
-            iterators[-1] = _ReceivedMasks(key, tp_group)
+        iterators[-1] = self._loss_chunk_iterator(iterators[-1], tp_group, tp_rank)
         return iterators if isinstance(data_iterator, list) else iterators[0]
+
+    def _loss_chunk_iterator(self, source: Any, tp_group: Any, tp_rank: int) -> Any:
+        """What the plugin reads on the loss stage: ``pretrain_gpt``'s batches with their masks
+        on the device; on tensor-parallel ranks other than 0 (no data iterator), the masks
+        received from TP rank 0."""
+        key = self.config.loss_mask_key
+        if tp_rank > 0:
+            return _ReceivedMasks(key, tp_group)
+        return None if source is None else MasksToDevice(source, key, tp_group)
 
     def _wrap_forward_step(
         self, forward_step_func: Callable, tp_rank: int, groups: StepGroups
@@ -308,7 +322,7 @@ class MegatronLMLossFix:
                 batch = next(data_iterator)
                 inner = data_iterator
             else:
-                inner = _Recording(data_iterator) if data_iterator is not None else None
+                inner = Recording(data_iterator) if data_iterator is not None else None
             output, loss_func = forward_step_func(inner, model, *args, **kwargs)
             if batch is None and inner is not None:
                 batch = inner.last
@@ -324,7 +338,7 @@ class MegatronLMLossFix:
                     "megatron_lossfix: packed (THD) or hybrid context-parallel batches are not "
                     "supported with --loss-reduction yet; use --context-parallel-size 1"
                 )
-            if not _accepts_kwarg(loss_func, LOSS_KWARG):
+            if not accepts_kwarg(loss_func, LOSS_KWARG):
                 raise TypeError(
                     "megatron_lossfix: the loss function returned by forward_step does not "
                     "accept lossfix=...; apply our patch to this Megatron-LM checkout "
@@ -372,12 +386,37 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     ``--lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
     Refuses combinations that would silently bypass the plugin.
     """
+    if getattr(args, "perform_rl_step", False):  # train_rl.py: its own micro-batches and loss
+        if rl_step is None:
+            raise TypeError(
+                "megatron_lossfix: --perform-rl-step, but train_rl.py does not import "
+                "megatron_lossfix.integrations.megatron_lm_rl; apply our patch to this "
+                "Megatron-LM checkout (python -m megatron_lossfix.patches apply PATH)"
+            )
+        return rl_step(forward_backward_func, args)
     config = from_args(args)
     if config is None:
         return forward_backward_func
     if isinstance(forward_backward_func, MegatronLMLossFix):
         # train() asked the module for its schedule after _route_evaluation replaced it.
         forward_backward_func = forward_backward_func.inner
+    reasons = incompatible_settings(args)
+    if reasons:
+        raise ValueError(
+            "megatron_lossfix: --loss-reduction cannot be combined with " + "; ".join(reasons)
+        )
+    wrapper = MegatronLMLossFix(
+        config, forward_backward_func, getattr(args, "lossfix_metrics_out", None)
+    )
+    if wrapper.metrics_out is not None:
+        record_train_steps(wrapper)
+    _route_evaluation(config, args)
+    return wrapper
+
+
+def incompatible_settings(args: argparse.Namespace) -> list[str]:
+    """The Megatron-LM settings ``--loss-reduction`` cannot be combined with, as flags (they
+    would bypass the plugin or break what it assumes); empty when there are none."""
     reasons = []
     if getattr(args, "modelopt_enabled", False):
         reasons.append("ModelOpt (its loss_func replaces pretrain_gpt's)")
@@ -396,17 +435,7 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
     ):
         # Megatron-LM then balances CP shards per sequence; our weights are sliced plainly.
         reasons.append("--dataloader-inter-document-masking with context parallelism")
-    if reasons:
-        raise ValueError(
-            "megatron_lossfix: --loss-reduction cannot be combined with " + "; ".join(reasons)
-        )
-    wrapper = MegatronLMLossFix(
-        config, forward_backward_func, getattr(args, "lossfix_metrics_out", None)
-    )
-    if wrapper.metrics_out is not None:
-        _record_train_steps(wrapper)
-    _route_evaluation(config, args)
-    return wrapper
+    return reasons
 
 
 def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
@@ -440,7 +469,7 @@ def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
     training.get_forward_backward_func = get_forward_backward_func
 
 
-def _record_train_steps(wrapper: MegatronLMLossFix) -> None:
+def record_train_steps(wrapper: MegatronLMLossFix) -> None:
     """Make ``training.train_step`` append one JSON line per step to ``--lossfix-metrics-out``.
 
     The log prints the grad norm with 3 decimals; comparisons across layouts need all of them.

@@ -5,9 +5,10 @@
     python -m megatron_lossfix.patches revert PATH_TO_MEGATRON_LM
     python -m megatron_lossfix.patches list
 
-The patch makes Megatron-LM's ``pretrain_gpt.py`` accept ``--loss-reduction`` (and our other
-flags); with the flags absent nothing changes. Its code lives in
-:mod:`megatron_lossfix.integrations.megatron_lm`; the diffs are a few lines each.
+The patch makes Megatron-LM's ``pretrain_gpt.py`` and ``train_rl.py`` (its GRPO loop) accept
+``--loss-reduction`` (and our other flags); with the flags absent nothing changes. Its code lives
+in :mod:`megatron_lossfix.integrations.megatron_lm` and ``megatron_lm_rl``; the diffs are a few
+lines per script.
 
 The diffs are the repository's top-level ``patches/*.patch`` (the single source: an editable
 install reads them there, a wheel installs them to ``<prefix>/share/megatron_lossfix/patches``,
@@ -314,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line; returns the exit status (see the module docstring)."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron_lossfix.patches",
-        description="Patch a Megatron-LM checkout so that pretrain_gpt.py takes --loss-reduction.",
+        description="Patch a Megatron-LM checkout so that pretrain_gpt.py and train_rl.py take "
+        "--loss-reduction.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for command, help_text in (

@@ -8,7 +8,8 @@ For the checks in ``tests/test_patches.py`` and for reproducing them by hand:
   sequences and micro-batches, like padded SFT data (the mock dataset has about one EOD per
   2,000 tokens: its masks are all ones at small sequence lengths).
 - :func:`tiny_gpt_args` are the flags of a tiny CPU-friendly GPT run.
-- :func:`run_pretrain_gpt` launches ``torchrun ... pretrain_gpt.py`` and parses the log lines
+- :func:`run_pretrain_gpt` launches ``pretrain_gpt.py`` as ``torchrun`` would (its ranks forked
+  from a process that imported the tree once: :mod:`helpers.launch`) and parses the log lines
   and, with ``--lossfix-metrics-out``, the JSON metrics; :func:`run_pretrain_gpts` runs several
   side by side where the cores allow.
 
@@ -25,17 +26,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.launch import Launch as Job
+from helpers.launch import launch_side_by_side
 from megatron_lossfix.integrations import patches
 
 __all__ = [
-    "Command",
     "Launch",
     "RunResult",
     "checkout_null_tokenizer_eod",
@@ -46,7 +47,6 @@ __all__ = [
     "reuse_installed_helpers",
     "run_pretrain_gpt",
     "run_pretrain_gpts",
-    "run_side_by_side",
     "save_initial_checkpoint",
     "skip_reason",
     "tags_to_test",
@@ -283,12 +283,21 @@ class RunResult:
 
 @dataclass(kw_only=True)
 class Launch:
-    """One ``torchrun ... pretrain_gpt.py`` of :func:`run_pretrain_gpts`."""
+    """One launch of a Megatron-LM script (``pretrain_gpt.py`` by default) from its tree, for
+    :func:`run_pretrain_gpts`."""
 
     megatron_lm_path: str | os.PathLike
     args: Sequence[str]
     nproc: int = 1
     metrics_out: str | os.PathLike | None = None
+    script: str | os.PathLike = "pretrain_gpt.py"
+    """The script to run: a path in the checkout, or an absolute path (a test helper that runs
+    one of the checkout's scripts, e.g. ``helpers/megatron_lm_rl.py``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to :func:`megatron_lm_env`."""
+    #: Launch with torchrun, as users do, rather than forked from the tree's zygote
+    #: (:mod:`helpers.launch`): at least one test per script should.
+    torchrun: bool = False
 
 
 def run_pretrain_gpt(
@@ -299,7 +308,8 @@ def run_pretrain_gpt(
     metrics_out: str | os.PathLike | None = None,
     timeout: float = 900,
 ) -> RunResult:
-    """``torchrun --standalone --nproc-per-node NPROC PATH/pretrain_gpt.py ARGS``."""
+    """``torchrun --standalone --nproc-per-node NPROC PATH/pretrain_gpt.py ARGS``, its ranks
+    forked from the tree's zygote (:func:`run_pretrain_gpts`)."""
     launch = Launch(megatron_lm_path=megatron_lm_path, args=args, nproc=nproc,
                     metrics_out=metrics_out)  # fmt: skip
     return run_pretrain_gpts([launch], timeout=timeout)[0]
@@ -308,94 +318,36 @@ def run_pretrain_gpt(
 def run_pretrain_gpts(
     launches: Sequence[Launch], *, max_procs: int | None = None, timeout: float = 900
 ) -> list[RunResult]:
-    """Run ``launches`` (each as :func:`run_pretrain_gpt`) side by side as
-    :func:`run_side_by_side` does; results in order."""
-    commands = []
+    """Run ``launches`` side by side where the cores allow (:func:`launch_side_by_side`); results
+    in order. Each rank is forked from a zygote that imported the script's module from its tree
+    once (the tree's ``megatron`` package shadows the installed one): the first launch of a
+    tree pays those imports, the others do not."""
+    jobs = []
     for launch in launches:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(launch.nproc),
-            str(Path(launch.megatron_lm_path) / "pretrain_gpt.py"), *launch.args,
-        ]  # fmt: skip
+        args = [*launch.args]
         if launch.metrics_out is not None:
-            cmd += ["--lossfix-metrics-out", str(launch.metrics_out)]
-        env = megatron_lm_env(launch.megatron_lm_path)
-        commands.append(Command(cmd=cmd, nproc=launch.nproc, cwd=launch.megatron_lm_path, env=env))
+            args += ["--lossfix-metrics-out", str(launch.metrics_out)]
+        tree = Path(launch.megatron_lm_path).resolve()
+        script = tree / launch.script
+        # A script of the tree is preloaded from it; a helper outside it runs under torchrun.
+        in_tree = script.resolve().is_relative_to(tree)
+        jobs.append(Job(script=script, args=args, nproc=launch.nproc, cwd=tree,
+                        env=megatron_lm_env(tree) | launch.env,
+                        preload=[script.stem] if in_tree else [],
+                        torchrun=launch.torchrun or not in_tree))  # fmt: skip
     results = []
-    done = run_side_by_side(commands, max_procs=max_procs, timeout=timeout)
-    for launch, (returncode, output) in zip(launches, done, strict=True):
+    done = launch_side_by_side(jobs, max_procs=max_procs, timeout=timeout)
+    for launch, result in zip(launches, done, strict=True):
         logged = [
             {"iteration": int(m[1]), "lm_loss": float(m[2]), "grad_norm": float(m[3])}
-            for m in _LOG_LINE.finditer(output)
+            for m in _LOG_LINE.finditer(result.output)
         ]
         metrics = []
         path = launch.metrics_out
         if path is not None and Path(path).exists():
             metrics = [json.loads(line) for line in Path(path).read_text().splitlines()]
-        results.append(RunResult(returncode, output, logged, metrics))
+        results.append(RunResult(result.returncode, result.output, logged, metrics))
     return results
-
-
-@dataclass(kw_only=True)
-class Command:
-    """One command of :func:`run_side_by_side` and how many processes it keeps busy."""
-
-    cmd: Sequence[str]
-    nproc: int = 1
-    cwd: str | os.PathLike | None = None
-    env: dict[str, str] | None = None
-
-
-def run_side_by_side(
-    commands: Sequence[Command], *, max_procs: int | None = None, timeout: float = 900
-) -> list[tuple[int, str]]:
-    """Run ``commands`` in order, each started as soon as its processes fit beside the running
-    ones within ``max_procs`` (default: the machine's cores plus one); returns each one's exit
-    status and output (stdout and stderr together), in order.
-
-    A torchrun launch spends most of its time importing torch and Megatron, one core per rank
-    and one process at a time in its launcher: two one-rank runs on two cores, or a one-rank run
-    beside a two-rank one, take little longer than one of them alone.
-    """
-    import tempfile
-    import time
-
-    budget = max_procs or (os.cpu_count() or 1) + 1
-    done: list[tuple[int, str] | None] = [None] * len(commands)
-    pending = list(range(len(commands)))
-    running: dict[int, tuple[subprocess.Popen, object, float]] = {}
-    try:
-        while pending or running:
-            busy = sum(commands[i].nproc for i in running)
-            if pending and (not running or busy + commands[pending[0]].nproc <= budget):
-                i = pending.pop(0)
-                log = tempfile.TemporaryFile("w+")
-                command = commands[i]
-                proc = subprocess.Popen(
-                    list(command.cmd),
-                    cwd=None if command.cwd is None else str(command.cwd),
-                    env=command.env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                running[i] = (proc, log, time.monotonic())
-                continue
-            for i, (proc, log, started) in list(running.items()):
-                if proc.poll() is None and time.monotonic() - started > timeout:
-                    raise subprocess.TimeoutExpired(proc.args, timeout)
-                if proc.returncode is not None:
-                    del running[i]
-                    log.seek(0)
-                    done[i] = (proc.returncode, log.read())
-                    log.close()
-            time.sleep(0.2)
-    finally:
-        for proc, log, _ in running.values():
-            proc.kill()
-            proc.wait()
-            log.close()
-    return done
 
 
 def archives_folder() -> Path | None:

@@ -1,0 +1,509 @@
+"""Megatron-LM's own RL loop (``train_rl.py``) through the plugin: exact under every layout.
+
+Unit tests (no Megatron-LM): the refusals, the RL micro-batches the plugin reads, and the loss
+callable the patched ``loss_func`` calls (its values, its reports, no host sync).
+
+End to end, with ``MEGATRON_LM_ARCHIVES``: the real, patched ``train_rl.py`` of the installed
+release's tag (and of ``main`` on Python >= 3.12) trains on CPU with fixed rollouts
+(``tests/helpers/megatron_lm_rl.py``): its real ``train() -> get_grpo_data_iterator ->
+prepare_data_for_update -> train_step`` with ``train_rl.forward_step``/``loss_func``. One launch
+per layout and ``--calculate-per-token-loss`` setting runs every rollout set under stock
+Megatron-LM and each mode, one iteration each at learning rate 0 (:func:`_plan`); the tests read
+its records:
+
+- every mode but ``token_mean_legacy`` agrees between 1 rank and DP2, and between 3 and 6
+  packed bins on one rank, to 1e-6 (loss, grad norm, full gradient), with and without the flag;
+- stock Megatron-LM's DP2 gradient is its 1-rank gradient times the factor its padding implies
+  (5/6 for a padding row, 3/4 for an empty bin; 49/50 and 80/81 per token): the same check
+  fails there, and would fail for the plugin without the fix;
+- ``token_mean_legacy`` is stock's mean of per-micro-batch means (layout-dependent by design);
+- a packed bin's sequences are the rows of the unpacked step (the same gradient);
+- what the plugin cannot make exact is refused before the first step on every rank, and the
+  CPU command of ``docs/megatron_lm_rl.md`` runs as printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
+from torch.overrides import TorchFunctionMode
+
+from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl
+from megatron_lossfix.integrations.megatron_lm import add_args_provider
+from megatron_lossfix.reduction import LossFixConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "megatron_lm_rl.md"
+
+
+# ------------------------------------------------------------------------------ unit
+def _args(*flags: str, **extra: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--distributed-backend", default="nccl")
+    args = add_args_provider()(parser).parse_args(list(flags))
+    args.perform_rl_step = True
+    vars(args).update(extra)
+    return args
+
+
+@pytest.mark.unit
+def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
+    assert megatron_lm_rl.check_args(_args()) is None  # no flag: stock train_rl.py
+    config = megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
+    assert config.reduction == "sequence_mean"
+    refused = {
+        "--context-parallel-size": _args("--loss-reduction", "token_mean",
+                                         context_parallel_size=2),
+        "--rl-training-cuda-graphs": _args("--loss-reduction", "token_mean",
+                                           rl_training_cuda_graphs=True),
+        "--lossfix-self-check": _args("--loss-reduction", "token_mean", "--lossfix-self-check"),
+        "--loss-norm-constant": _args("--loss-reduction", "seq_mean_token_sum_norm"),
+        # A mode the RL loop does not carry the data for (the group modes, until they are
+        # wired through rl_micro_batch): refused by name, before the config is even built.
+        "--loss-reduction prompt_mean": _args(loss_reduction="prompt_mean"),
+        "--hybrid-context-parallel": _args("--loss-reduction", "sum",
+                                           hybrid_context_parallel=True),
+    }  # fmt: skip
+    for flag, args in refused.items():
+        with pytest.raises(ValueError) as info:
+            megatron_lm_rl.check_args(args)
+        message = str(info.value)
+        assert flag in message and "\n" not in message, message
+
+
+@pytest.mark.unit
+def test_the_training_hook_builds_the_rl_step() -> None:
+    """The patched ``training.py`` calls ``megatron_lm.wrap_forward_backward_func``: with
+    ``--perform-rl-step`` it is the RL step; without ``--loss-reduction`` the function itself."""
+
+    def stock(**kwargs: object) -> list:
+        return []
+
+    assert megatron_lm.wrap_forward_backward_func(stock, _args()) is stock
+    wrapped = megatron_lm.wrap_forward_backward_func(stock, _args("--loss-reduction", "sum"))
+    assert isinstance(wrapped, megatron_lm_rl.MegatronLMRLLossFix) and wrapped.inner is stock
+    with pytest.raises(ValueError, match="--context-parallel-size 2"):
+        megatron_lm.wrap_forward_backward_func(
+            stock, _args("--loss-reduction", "sum", context_parallel_size=2)
+        )
+
+
+class _Context:
+    """What ``rl_micro_batch`` reads of Megatron-LM's ``PackingContext``."""
+
+    def __init__(self, mask: torch.Tensor, seq_starts: dict) -> None:
+        self.packed_loss_mask = mask
+
+        class Info:
+            pass
+
+        self.packing_info = Info()
+        self.packing_info.seq_starts = seq_starts
+
+
+@pytest.mark.unit
+def test_rl_micro_batch_rows_and_packed_bins(monkeypatch: pytest.MonkeyPatch) -> None:
+    mask = torch.tensor([[0.0, 0, 1, 1, 0], [0, 1, 1, 1, 1]])
+    item = [torch.zeros(2, 5), torch.zeros(2), torch.zeros(2, 4), mask]
+    monkeypatch.setattr(megatron_lm_rl, "_packing_context", lambda: None)
+    batch = megatron_lm_rl.rl_micro_batch(item, "loss_mask", "cu_seqlens")
+    # The log-prob positions: position j scores token j + 1, as train_rl.forward_step slices.
+    assert torch.equal(batch["loss_mask"], mask[:, 1:]) and "cu_seqlens" not in batch
+    assert batch[megatron_lm_rl.ITEM_KEY] is item
+    # Bin 0 holds trajectories of 3 and 4 tokens (then padding); bin 1 is an empty bin.
+    bins = torch.tensor([[0.0, 1, 1, 0, 1, 1, 1, 0, 0], [0] * 9])
+    context = _Context(bins, {0: [0, 3, 7], 1: []})
+    monkeypatch.setattr(megatron_lm_rl, "_packing_context", lambda: context)
+    packed = megatron_lm_rl.rl_micro_batch((torch.tensor(0),), "loss_mask", "cu_seqlens")
+    assert torch.equal(packed["loss_mask"], bins[0:1, 1:])
+    # Shifted like the mask: positions 0..1 score tokens 1..2 (trajectory 0), 2..5 tokens
+    # 3..6 (trajectory 1), 6..7 the padding after them.
+    assert packed["cu_seqlens"].tolist() == [0, 2, 6]
+    empty = megatron_lm_rl.rl_micro_batch((torch.tensor(1),), "loss_mask", "cu_seqlens")
+    assert empty["loss_mask"].sum() == 0 and empty["cu_seqlens"].tolist() == [0, 0]
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Records the tensor calls that copy a value to the host (a device sync on a GPU)."""
+
+    SYNCS = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__", "numpy")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.SYNCS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.unit
+def test_rl_loss_weighs_and_reports_without_phantom_tokens_or_host_sync() -> None:
+    wrapper = megatron_lm_rl.MegatronLMRLLossFix(LossFixConfig(reduction="sum"), lambda **k: [])
+    wrapper._indicator_pending = True
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # the second row: a padding row
+    weights = mask * 0.25
+    losses = torch.tensor([[2.0, 4.0, 9.0], [9.0, 9.0, 9.0]], requires_grad=True)
+    kl = torch.tensor([[0.5, 1.5, 7.0], [7.0, 7.0, 7.0]])
+    truncated = torch.tensor([[True, False, True], [True, True, True]])
+    terms = {"rl/kl_term": kl, "rl/truncated_from_above": truncated}
+    with _HostSyncs() as syncs:
+        loss, num_tokens, report = wrapper._rl_loss(weights, losses, mask, terms)
+    assert syncs.calls == []
+    assert float(loss.detach()) == pytest.approx(1.5) and int(num_tokens) == 2
+    assert report[megatron_lm.LOSS_KEY].tolist() == [1.5, 1.0]  # [L's share, indicator]
+    # Token means of the terms over real tokens only (stock counts a padding row as 1 token).
+    assert report["rl/kl_term"].tolist() == [2.0, 2.0]
+    assert report["rl/truncated_from_above"].tolist() == [1.0, 2.0]
+    _, num_tokens, report = wrapper._rl_loss(weights * 0, losses, mask * 0, terms)
+    assert int(num_tokens) == 0 and report["rl/kl_term"].tolist() == [0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------ end to end
+ARCHIVES = archives_folder()
+TAGS = tags_to_test(ARCHIVES) if ARCHIVES else []
+if ARCHIVES and sys.version_info >= (3, 12) and "main" in archive_tags(ARCHIVES):
+    # main needs Python >= 3.12; MEGATRON_LM_TAGS, when set, decides alone.
+    if "main" not in TAGS and not __import__("os").environ.get("MEGATRON_LM_TAGS"):
+        TAGS = [*TAGS, "main"]
+needs_megatron_lm = pytest.mark.skipif(not TAGS, reason=skip_reason(ARCHIVES))
+
+MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy")
+#: The modes that are layout-invariant (token_mean_legacy is the old per-micro-batch mean).
+INVARIANT = MODES[:4]
+NORM_CONSTANT = 32.0
+REL = 1e-6
+#: (set, sequence packing, sequences per bin, modes (None: stock)) of the launches' iterations,
+#: in order: without packing Megatron-LM asserts that the micro-batch count never decreases.
+STEPS = (
+    ("prefix_chain", False, None, (None, "token_mean", "sequence_mean")),
+    ("multi", False, None, (None, *MODES)),
+    ("packed", False, None, INVARIANT),  # the packed set's rows, unpacked
+    ("single", False, None, (None, *MODES)),
+    ("packed", True, 2, (None, *MODES)),  # 3 bins (DP2: 4, one empty)
+    ("packed", True, 1, (None, *MODES)),  # 6 bins: more micro-batches
+)
+#: Sets that Megatron-LM pads only from core_v0.19 on (before, its DP split of multi-turn
+#: rollouts leaves the ranks uneven numbers of rows).
+PADDED_SETS = ("prefix_chain", "multi")
+LAUNCHES = ((1, False), (2, False), (1, True), (2, True))  # (ranks, --calculate-per-token-loss)
+
+
+def _steps(tree: Path) -> list[tuple]:
+    """The steps this checkout runs: (set, packing, per_bin, mode), one per iteration."""
+    source = (tree / "megatron/rl/rl_utils.py").read_text()
+    pads_rows = "pad_to_multiple" in source
+    return [(name, packing, per_bin, mode) for name, packing, per_bin, modes in STEPS
+            if pads_rows or name not in PADDED_SETS for mode in modes]  # fmt: skip
+
+
+def _plan(steps: list[tuple], sets: dict) -> list[dict]:
+    return [{"rollouts": sets[name], "sequence_packing": packing, "max_sequences_per_bin": per_bin,
+             "loss_reduction": mode,
+             "loss_norm_constant": NORM_CONSTANT if mode == "seq_mean_token_sum_norm" else None}
+            for name, packing, per_bin, mode in steps]  # fmt: skip
+
+
+class _RLRuns:
+    """Each tag's four launches, run once per session; the tests read their records."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.trees: dict[str, Path] = {}
+        self.runs: dict[str, tuple[list[tuple], dict]] = {}
+
+    def tree(self, tag: str) -> Path:
+        if tag not in self.trees:
+            from helpers.megatron_lm_run import prepare_tree
+
+            self.trees[tag] = prepare_tree(ARCHIVES, tag, self.root / tag)[0]
+        return self.trees[tag]
+
+    def get(self, tag: str) -> tuple[list[tuple], dict]:
+        """(steps, {(ranks, per_token): records}) of ``tag``."""
+        if tag not in self.runs:
+            from helpers.megatron_lm_rl import (
+                read_records,
+                rl_args,
+                rl_launch,
+                rollout_sets,
+                write_plan,
+            )
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+
+            tree = self.tree(tag)
+            steps = _steps(tree)
+            plan = _plan(steps, rollout_sets(checkout_null_tokenizer_eod(tree)))
+            launches, outs = [], []
+            for nproc, per_token in LAUNCHES:
+                out = self.root / f"{tag}-n{nproc}-pt{int(per_token)}.jsonl"
+                path = write_plan(out.with_suffix(".plan.json"), tree, plan, out=out)
+                args = rl_args(train_iters=len(steps), per_token=per_token)
+                launches.append(rl_launch(tree, path, args, nproc))
+                outs.append(out)
+            results = run_pretrain_gpts(launches, timeout=3000)
+            records = {}
+            for key, out, result in zip(LAUNCHES, outs, results, strict=True):
+                assert result.returncode == 0, result.output[-6000:]
+                records[key] = read_records(out)
+                assert len(records[key]) == len(steps), result.output[-6000:]
+            self.runs[tag] = (steps, records)
+        return self.runs[tag]
+
+
+@pytest.fixture(scope="module")
+def rl_runs(tmp_path_factory: pytest.TempPathFactory) -> _RLRuns:
+    return _RLRuns(tmp_path_factory.mktemp("megatron-lm-rl"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 distance of ``b`` from ``a``."""
+    return float((a - b).norm() / a.norm())
+
+
+def _agreement(a: dict, b: dict) -> float:
+    """The largest relative difference of loss, grad norm and full gradient of two records."""
+    loss = abs(a["lm_loss"] - b["lm_loss"]) / abs(a["lm_loss"])
+    norm = abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+    return max(loss, norm, _rel(a["grad"], b["grad"]))
+
+
+def _index(steps: list[tuple], name: str, packing: bool, per_bin: int | None, mode) -> int:
+    return steps.index((name, packing, per_bin, mode))
+
+
+#: The rows of the table (docs/megatron_lm_rl.md): (label, set, packing, bins compared).
+TABLE = (
+    ("8 single-turn rollouts, micro-batch 1", "single", False, None),
+    ("5 rows, one multi-turn rollout (DP2 adds a padding row)", "multi", False, None),
+    ("a 2-turn prefix chain: 5 rows (4 on main)", "prefix_chain", False, None),
+    ("sequence packing, 3 bins (DP2 adds an empty bin)", "packed", True, None),
+    ("the same, 3 against 6 bins on one rank", "packed", True, 1),
+)
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_plugin_is_layout_invariant(rl_runs: _RLRuns, tag: str, report_figure) -> None:
+    """Every invariant mode, with and without ``--calculate-per-token-loss``: 1 rank against
+    DP2 (padding rows and empty bins there), and 3 against 6 packed bins on one rank, agree to
+    1e-6 in loss, grad norm and full gradient. Reports the table of docs/megatron_lm_rl.md:
+    stock's relative L2 gradient distance beside the plugin's largest difference."""
+    steps, records = rl_runs.get(tag)
+    report_figure(f"Megatron-LM RL {tag}: | data | stock | stock, per-token | plugin | "
+                  "plugin, per-token |")  # fmt: skip
+    for label, name, packing, more in TABLE:
+        per_bin = 2 if packing else None
+        if (name, packing, per_bin, None) not in steps:
+            continue  # a set this checkout does not pad (before core_v0.19)
+        cells = {}
+        for per_token in (False, True):
+            first = records[1, per_token]
+            # 1 rank against DP2 on the same step, or on one rank 3 bins against 6.
+            second = first if more else records[2, per_token]
+            bins = more or per_bin
+            stock = _index(steps, name, packing, per_bin, None)
+            twin = _index(steps, name, packing, bins, None)
+            cells["stock", per_token] = _rel(first[stock]["grad"], second[twin]["grad"])
+            worst = 0.0
+            for mode in (m for m in INVARIANT if (name, packing, per_bin, m) in steps):
+                i, j = (_index(steps, name, packing, b, mode) for b in (per_bin, bins))
+                counts = first[i]["num_microbatches"], second[j]["num_microbatches"]
+                assert counts[1] == 2 * counts[0] if more else counts[0] != counts[1], counts
+                diff = _agreement(first[i], second[j])
+                assert diff <= REL, (tag, label, mode, per_token, diff)
+                worst = max(worst, diff)
+            cells["plugin", per_token] = worst
+        row = " | ".join(f"{cells[k, pt]:.1e}" for k in ("stock", "plugin") for pt in (0, 1))
+        report_figure(f"Megatron-LM RL {tag}: | {label} | {row} |")
+
+
+def _padding(tag: str, name: str, packing: bool) -> tuple[int, int, int]:
+    """(micro-batches, padding micro-batches, loss tokens) of a set's step at DP2, 1 row or 1
+    bin of 2 sequences per micro-batch (``rollout_sets``); main merges a prefix chain."""
+    rows = {"single": 8, "multi": 5, "prefix_chain": 4 if tag == "main" else 5, "packed": 6}
+    tokens = {"single": 80, "multi": 49, "prefix_chain": 46, "packed": 80}
+    count = 3 if packing else rows[name]  # 6 sequences, 2 per bin
+    return count, -count % 2, tokens[name]
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_stock_moves_with_the_padding(rl_runs: _RLRuns, tag: str) -> None:
+    """Stock Megatron-LM's DP2 gradient is its 1-rank gradient times the factor its padding
+    implies: micro-batches / (micro-batches + padding) on the default path (5/6: a padding row;
+    3/4: an empty bin), tokens / (tokens + padding) per token (a phantom token each: 49/50,
+    80/81); 1 where nothing is padded. The plugin's check above fails on these."""
+    steps, records = rl_runs.get(tag)
+    for i, (name, packing, per_bin, mode) in enumerate(steps):
+        if mode is not None or per_bin == 1:
+            continue
+        count, padding, tokens = _padding(tag, name, packing)
+        for per_token in (False, True):
+            one, two = records[1, per_token][i]["grad"], records[2, per_token][i]["grad"]
+            factor = tokens / (tokens + padding) if per_token else count / (count + padding)
+            assert _rel(factor * one, two) <= REL, (tag, name, packing, per_token, factor)
+            moved = _rel(one, two)
+            assert (moved > 1e-3) == (padding > 0), (tag, name, packing, per_token, moved)
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_modes_mean_what_they_say(rl_runs: _RLRuns, tag: str) -> None:
+    """The logged loss is the mode's global loss: ``token_mean`` logs what stock logs on one
+    rank without padding (sum / tokens), ``sum`` that times the token count. A packed bin's
+    sequences are the unpacked step's rows (same gradient for every invariant mode).
+    ``token_mean_legacy`` is stock's default mean of per-micro-batch means, in every layout and
+    with either setting of ``--calculate-per-token-loss``."""
+    steps, records = rl_runs.get(tag)
+    for per_token in (False, True):
+        for name in ("multi", "single", "packed"):
+            if ("multi", False, None, None) not in steps and name == "multi":
+                continue
+            packing = name == "packed"
+            per_bin = 2 if packing else None
+            run = records[1, per_token]
+            token_mean = run[_index(steps, name, packing, per_bin, "token_mean")]["lm_loss"]
+            stock = run[_index(steps, name, packing, per_bin, None)]["lm_loss"]
+            total = run[_index(steps, name, packing, per_bin, "sum")]["lm_loss"]
+            tokens = _padding(tag, name, packing)[2]
+            assert token_mean == pytest.approx(stock, rel=REL)
+            assert total == pytest.approx(token_mean * tokens, rel=REL)
+            for ranks in (1, 2):
+                run = records[ranks, per_token]
+                legacy = run[_index(steps, name, packing, per_bin, "token_mean_legacy")]["grad"]
+                default = records[ranks, False][_index(steps, name, packing, per_bin, None)]
+                assert _rel(default["grad"], legacy) <= REL, (name, ranks, per_token)
+        for mode in INVARIANT:
+            for ranks in (1, 2):
+                rows = records[ranks, per_token][_index(steps, "packed", False, None, mode)]
+                bins = records[ranks, per_token][_index(steps, "packed", True, 2, mode)]
+                assert _agreement(rows, bins) <= REL, (mode, ranks, per_token)
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+def test_train_rl_refuses_before_the_first_step(rl_runs: _RLRuns) -> None:
+    """The patched ``train_rl.py`` itself, as the 2 ranks of one job: context parallelism, and
+    Dr. GRPO without its constant, are refused on every rank with one line naming the flag,
+    before any step trains. The ranks run as plain processes (torchrun's environment by hand):
+    torchrun would end a rank's peer as soon as that rank fails, before the peer says why."""
+    import socket
+
+    from helpers.megatron_lm_rl import rl_args
+    from helpers.megatron_lm_run import megatron_lm_env
+
+    tree = rl_runs.tree(TAGS[0])
+    cases = {
+        "--context-parallel-size 2": ["--context-parallel-size", "2",
+                                      "--loss-reduction", "token_mean"],
+        "--loss-norm-constant": ["--loss-reduction", "seq_mean_token_sum_norm"],
+    }  # fmt: skip
+    procs = []
+    for flags in cases.values():
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = str(free.getsockname()[1])
+        for rank in (0, 1):
+            job = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+            env = megatron_lm_env(tree) | {k: str(v) for k, v in job.items()}
+            cmd = [sys.executable, str(tree / "train_rl.py"), *rl_args(train_iters=1), *flags]
+            procs.append(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outputs = [proc.communicate(timeout=1200)[0] for proc in procs]
+    results = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
+    for k, flag in enumerate(cases):
+        for rank in (0, 1):
+            returncode, output = results[2 * k + rank]
+            assert returncode != 0, (flag, rank, output[-4000:])
+            assert not re.search(r"iteration\s+1/", output), output[-4000:]  # nothing trained
+            errors = [ln for ln in output.splitlines() if ln.startswith("ValueError: ")]
+            assert len(errors) == 1 and flag in errors[0], (flag, rank, output[-4000:])
+            assert errors[0].startswith("ValueError: megatron_lossfix: "), errors[0]
+
+
+def _doc_cpu_command() -> str:
+    """The ``bash`` block of the doc's "On a CPU" paragraph."""
+    text = DOC.read_text()
+    section = text[text.index("**On a CPU.**") :]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
+    """``docs/megatron_lm_rl.md``'s CPU commands, as printed, on a fresh (unpatched) checkout
+    of the suite's tag: the patch applies, ``train_rl.py --loss-reduction sequence_mean`` trains
+    on 2 CPU ranks, and the metrics are the mode's: 5 sequences (rows), 49 loss tokens, the
+    logged loss L."""
+    import json
+    import os
+
+    from helpers.megatron_lm_run import reuse_installed_helpers, unpack_tag
+
+    tree = unpack_tag(ARCHIVES, TAGS[0], tmp_path / "checkout")
+    reuse_installed_helpers(tree)
+    work = tmp_path / "work"  # the repository root as the reader has it; outputs land here
+    work.mkdir()
+    for name in ("megatron_lossfix", "patches", "tests"):
+        (work / name).symlink_to(ROOT / name)
+    script = _doc_cpu_command().replace("/path/to/Megatron-LM", str(tree))
+    env = dict(os.environ)  # the reader's environment: this interpreter's bin first on PATH
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    records = [json.loads(line) for line in (work / "rl-metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2], output[-4000:]
+    for record in records:
+        assert record["reduction"] == "sequence_mean"
+        assert (record["num_sequences"], record["num_tokens"]) == (5, 49)
+        assert record["lm_loss"] == pytest.approx(record["loss"], rel=REL)
+
+
+@pytest.mark.unit
+def test_cpu_attention_runs_each_packed_segment_alone() -> None:
+    """On CPU, ``thd`` packed-sequence parameters are served one ``cu_seqlens`` segment at a
+    time, each causal; a micro-batch of more than one row is refused with one line."""
+    from megatron_lossfix.integrations.cpu_megatron_lm import _attend_per_segment
+
+    calls = []
+
+    def local_attention(self, query, key, value, mask, attn_mask_type=None,
+                        attention_bias=None, packed_seq_params=None):  # fmt: skip
+        # What Megatron's DotProductAttention returns: [s, b, heads * dim].
+        assert packed_seq_params is None and query.shape[1] == 1
+        calls.append((query.shape[0], mask.clone()))
+        return (query + key + value).flatten(2) * query.shape[0]
+
+    class Packed:
+        qkv_format = "thd"
+        cu_seqlens_q = cu_seqlens_kv = torch.tensor([0, 2, 2, 5, 5])
+        cu_seqlens_q_padded = cu_seqlens_kv_padded = None
+
+    attend = _attend_per_segment(local_attention)
+    q, k, v = (torch.randn(5, 2, 3) for _ in range(3))
+    out = attend(None, q, k, v, None, packed_seq_params=Packed())
+    assert [n for n, _ in calls] == [2, 3]  # the empty segment is skipped
+    assert all(torch.equal(m[0, 0], torch.ones(n, n, dtype=torch.bool).triu(1)) for n, m in calls)
+    want = torch.cat([(q + k + v)[:2].flatten(1) * 2, (q + k + v)[2:].flatten(1) * 3])
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="--micro-batch-size 1") as info:
+        attend(None, q[:, None], k[:, None], v[:, None], None, packed_seq_params=Packed())
+    assert "\n" not in str(info.value)
