@@ -5,12 +5,18 @@
 (that is what CI runs); ``nox -s tests-3.11`` runs one, and arguments after ``--`` replace
 pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 
-* ``lint``: ``ruff check`` and ``ruff format --check``.
+* ``lint``: ``ruff check``, ``ruff format --check`` and the strict build of the documentation
+  site (``mkdocs build --strict``: a broken link, anchor or public docstring fails it).
 * ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
   depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests and verl's and SkyRL's, each in a virtualenv of its own (``_layer``).
+
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
+
+In the default run (``nox`` alone, as CI runs it) the installs after the first one happen while
+tests run (``_ahead``): pip waits mostly on the network and the disk while the tests keep both
+cores busy, so the 3.12 world is built during the 3.11 tests, and the layers during the suite.
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
@@ -22,9 +28,13 @@ sources from the archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets 
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 
 import nox
 
@@ -71,6 +81,9 @@ PYTEST = ("-n", "2", "--dist", "loadfile", "-q", "-rs", "--durations=20", "--fai
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py", "tests/test_readme_stacks.py")
 VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its dependencies
+#: Likewise, and for one more reason: by their metadata verl 0.9.1 and SkyRL 0.4.0 do not resolve
+#: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.
+SKYRL = "skyrl==0.4.0"
 RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
 
 
@@ -92,9 +105,29 @@ def _expose_pyenv_versions() -> None:
 _expose_pyenv_versions()
 
 
-def _install(session: nox.Session, release: str) -> None:
-    extra = ("triton", "transformers") if session.python == "3.11" else ()
-    session.install(TORCH, f"megatron-core=={release}", "-e", ".[test]", *MEGATRON_LM_DEPS, *extra)
+#: Whether this is the default run (no session named), in which ``tests-3.11`` is followed by
+#: ``tests-3.12`` and may build its world ahead.
+DEFAULT_RUN = not any(
+    arg.startswith(("-s", "--session", "-e", "-k", "-t", "--tag")) for arg in sys.argv[1:]
+)
+#: Installs started by ``_ahead`` and not yet collected: name -> (process, log).
+_AHEAD: dict[str, tuple[subprocess.Popen, str]] = {}
+_SITE = "import site; print(site.getsitepackages()[0])"
+
+
+def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
+    extra = ("triton", "transformers") if python == "3.11" else ()
+    core = f"megatron-core=={release or LATEST[python]}"
+    return TORCH, core, "-e", ".[test]", *MEGATRON_LM_DEPS, *extra
+
+
+def _install(session: nox.Session, release: str | None = None) -> None:
+    """This world's packages; when ``tests-3.11`` built them ahead (``.nox/world-3.12``), this
+    session's virtualenv sees those (as a ``_layer`` does) and pip finds all but the project."""
+    world = os.path.abspath(os.path.join(".nox", f"world-{session.python}"))
+    if _collect(session, f"world-{session.python}"):
+        _see(session, os.path.join(world, "bin", "python"), "python")
+    session.install(*_requirements(session.python, release))
 
 
 def _pytest(session: nox.Session, *selection: str, python: str = "python") -> None:
@@ -108,46 +141,98 @@ def _layer(session: nox.Session, name: str) -> str:
     and 4.7 GB each); pip installs into it what it lacks. Returns its Python."""
     venv = os.path.abspath(os.path.join(".nox", name))
     session.run("python", "-m", "venv", "--clear", venv)
-    below = session.run("python", "-c", "import site; print(site.getsitepackages()[0])",
-                        silent=True).strip()  # fmt: skip
-    (site,) = glob.glob(os.path.join(venv, "lib", "python3.*", "site-packages"))
-    with open(os.path.join(site, "_layer.pth"), "w") as f:
-        f.write(f"import site; site.addsitedir({below!r})\n")
-    return os.path.join(venv, "bin", "python")
+    python = os.path.join(venv, "bin", "python")
+    _see(session, "python", python)
+    return python
+
+
+def _see(session: nox.Session, below: str, above: str) -> None:
+    """Let the Python ``above`` import what the Python ``below`` has installed, after its own."""
+    sites = [session.run(python, "-c", _SITE, silent=True, external=True).strip()
+             for python in (below, above)]  # fmt: skip
+    with open(os.path.join(sites[1], "_layer.pth"), "w") as f:
+        f.write(f"import site; site.addsitedir({sites[0]!r})\n")
+
+
+def _ahead(session: nox.Session, name: str, *commands: tuple[str, ...]) -> None:
+    """Run ``commands`` one after another in a process of their own while the session goes on;
+    ``_collect(session, name)`` waits for them."""
+    log = os.path.abspath(os.path.join(".nox", f"{name}.log"))
+    script = " && ".join(shlex.join(command) for command in commands)
+    with open(log, "w") as out:
+        process = subprocess.Popen(["bash", "-c", f"set -x; {script}"], stdout=out, stderr=out)
+    _AHEAD[name] = (process, log)
+    session.log(f"{name}: installing beside the tests (log: {log})")
+
+
+def _collect(session: nox.Session, name: str) -> bool:
+    """Wait for ``_ahead``'s ``name`` and show its log; False when it was not started."""
+    if name not in _AHEAD:
+        return False
+    process, log = _AHEAD.pop(name)
+    session.log(f"{name}: waiting for its install")
+    status = process.wait()
+    with open(log) as f:
+        session.log(f.read())
+    if status:
+        session.error(f"{name}: the install failed (exit {status}); its log is above")
+    return True
+
+
+def _extra(name: str) -> list[str]:
+    """The requirements of ``setup.py``'s extra ``name``, read without installing the project
+    (the docs build reads the sources; it needs neither torch nor megatron-core)."""
+    with open("setup.py", encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    extras = next(
+        kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+        for kw in node.keywords if kw.arg == "extras_require"
+    )  # fmt: skip
+    return ast.literal_eval(extras)[name]
 
 
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
-    """ruff, as pyproject.toml says."""
-    session.install(RUFF)
+    """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra)."""
+    session.install(RUFF, *_extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    site = os.path.join(session.create_tmp(), "site")
+    session.run("mkdocs", "build", "--strict", "--quiet", "--site-dir", site,
+                env={"NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
 
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
     """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
-    _install(session, LATEST["3.11"])
+    _install(session)
+    if DEFAULT_RUN:
+        world = os.path.abspath(os.path.join(".nox", "world-3.12"))
+        python = os.path.join(world, "bin", "python")
+        _ahead(session, "world-3.12", ("python3.12", "-m", "venv", "--clear", world),
+               (python, "-m", "pip", "install", "-q", *_requirements("3.12")))  # fmt: skip
     _pytest(session, *RELEASE_TESTS)
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
     """The whole suite on megatron-core 0.19.2, then Bridge's and verl's and SkyRL's tests."""
-    _install(session, LATEST["3.12"])
+    _install(session)
+    if not session.posargs:
+        bridge, rl = _layer(session, "bridge-3.12"), _layer(session, "rl-3.12")
+        pins = os.path.join(session.create_tmp(), "pins.txt")
+        with open(pins, "w") as f:
+            f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
+        pip = (rl, "-m", "pip", "install", "-q")
+        stacks = ((*pip, "--no-deps", VERL, SKYRL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))
+        _ahead(
+            session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"), *stacks
+        )
     _pytest(session, "tests", *(f"--ignore={test}" for test in RL_TESTS))
     if session.posargs:
         return
-    bridge = _layer(session, "bridge-3.12")
-    session.run(bridge, "-m", "megatron_lossfix", "install-bridge", external=True)
+    _collect(session, "layers-3.12")
     _pytest(session, *BRIDGE_TESTS, python=bridge)
-    rl = _layer(session, "rl-3.12")
-    pins = os.path.join(session.create_tmp(), "pins.txt")
-    with open(pins, "w") as f:
-        f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
-    pip = (rl, "-m", "pip", "install", "-q")
-    session.run(*pip, "--no-deps", VERL, external=True)
-    session.run(*pip, "-c", pins, "-r", RL_REQUIREMENTS, external=True)
     _pytest(session, *RL_TESTS, python=rl)
 
 

@@ -47,13 +47,15 @@ setup(
         # Transformer Engine needs CUDA; it is used when present, never required.
         # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
         "te": ["transformer_engine[pytorch]"],
-        # SkyRL's Megatron path on a CPU machine: skyrl itself (no extras: its skyrl-train extra
-        # pins flash-attn, which needs CUDA to build) and the modules its Megatron model wrapper
-        # imports (megatron_model_wrapper -> skyrl.train, skyrl_gym, ray's registry).
+        # SkyRL's Megatron path on a CPU machine: skyrl itself (no extras: its megatron and
+        # skyrl-train extras pin flash-attn, Transformer Engine and vllm, which need CUDA) and the
+        # modules its Megatron model wrapper imports (megatron_model_wrapper -> skyrl.train,
+        # skyrl_gym, ray's registry). Its megatron.bridge import is provided by the stack audit
+        # (see docs/skyrl.md).
         "skyrl": [
-            "skyrl==0.3.0",
+            "skyrl==0.4.0",
             "skyrl-gym==0.4.0",
-            "ray==2.56.0",
+            "ray==2.57.0",
             "omegaconf",
             "loguru",
             "jaxtyping",

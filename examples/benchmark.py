@@ -4,7 +4,9 @@ The same GPT, data and data-parallel layout train under each variant: ``stock`` 
 ``get_forward_backward_func()``, no plugin, Megatron-LM's loss ``(sum(mask * l), mask.sum(),
 report)`` and its all-reduce of the report), ``stock-repeat`` (stock again: the noise floor),
 ``stock-per-token`` (``calculate_per_token_loss=True``), ``off`` and every mode through
-``LossFixSchedule``, ``token_mean-per-token``, and masks decided in the loss (``token_mean+zeroed``,
+``LossFixSchedule`` (``self_check=False``: plain steps), ``token_mean-per-token``,
+``token_mean-first-step`` (each step checked as the first step is by default, against plain
+``token_mean`` steps), and masks decided in the loss (``token_mean+zeroed``,
 ``token_mean+kept``, ``sequence_mean+kept``, ``token_mean+counting``: a filter on the loss, or
 an importance-ratio band and off-policy sequence masking; compared with ``token_mean`` without
 masks; ``benchmark_step.KEPT``). Workloads: ``sft`` (``weighted_loss`` of the
@@ -33,7 +35,7 @@ One world size by hand (timing only, rank 0 prints the tables)::
 
     torchrun --standalone --nproc-per-node 2 examples/benchmark.py --phase time
 
-On GPUs the workers use NCCL. The GPU runs in the README (one H100, steps over 100 ms)::
+On GPUs the workers use NCCL. The GPU runs of docs/benchmarks.md (one H100, steps over 100 ms)::
 
     python examples/benchmark.py --ranks 1 --num-layers 8 --hidden-size 1024 \\
         --num-attention-heads 16 --seq-length 1024 --global-batch-size 8 --rounds 5 \\

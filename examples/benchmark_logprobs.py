@@ -11,7 +11,7 @@ Launch (CPU, fp32, about 2 minutes on 2 cores)::
 
     python examples/benchmark_logprobs.py --device cpu --tokens 2048 --vocabs 32768,131072,151936
 
-On a GPU (the README's figures, one H100)::
+On a GPU (docs/benchmarks.md's figures, one H100)::
 
     python examples/benchmark_logprobs.py --device cuda --dtype bfloat16 --tokens 8192 --iters 10
 """

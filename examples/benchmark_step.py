@@ -35,6 +35,7 @@ VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)
     "stock-per-token": (None, True),
     **{mode: (mode, False) for mode in ("off", *REDUCTIONS)},
     "token_mean-per-token": ("token_mean", True),
+    "token_mean-first-step": ("token_mean", False),  # each step checked as a first step is
 }
 #: Masks decided in the loss (docs/design.md §10): name -> (mode, mask_in_loss, counting_pass).
 #: ``+zeroed``: the masks alone (dropped tokens still count); ``+kept``: dropped tokens leave
@@ -54,9 +55,9 @@ SFT_KEEP = 5.6  # keep the tokens whose loss is below this (about half, untraine
 
 
 def baseline(name: str) -> str:
-    """The variant ``name`` is compared with: per-token plugin, per-token stock; a masked
-    variant, ``token_mean`` without masks; else stock."""
-    if name in KEPT:
+    """The variant ``name`` is compared with: stock (per-token plugin: per-token stock; the
+    first step's check: a plain plugin step; a masked variant: ``token_mean`` without masks)."""
+    if name in KEPT or name == "token_mean-first-step":
         return "token_mean"
     return "stock-per-token" if name == "token_mean-per-token" else "stock"
 
@@ -137,8 +138,14 @@ class Bench:
             mode = VARIANTS[name][0]
             norm = float(args.seq_length) if mode == "seq_mean_token_sum_norm" else None
             _, in_loss, counting = KEPT.get(name, (mode, False, False))
+            # Plain steps, and one variant whose every step runs the default first-step check.
+            check = {} if name.endswith("-first-step") else {"self_check": False}
             config = LossFixConfig(
-                reduction=mode, norm_constant=norm, mask_in_loss=in_loss, counting_pass=counting
+                reduction=mode,
+                norm_constant=norm,
+                mask_in_loss=in_loss,
+                counting_pass=counting,
+                **check,
             )
             self.schedules[name] = LossFixSchedule(config)
         records, self.batches = load_records(None), []
@@ -152,7 +159,10 @@ class Bench:
             batch["old_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
             batch["ref_logprobs"] = -5.5 + 0.1 * torch.randn(b, s, generator=gen)
             device = "cuda" if CUDA else "cpu"
-            mbs = [{k: t.to(device) for k, t in mb.items()} for mb in microbatches(batch, **cut)]
+            mbs = [
+                {k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in mb.items()}
+                for mb in microbatches(batch, **cut)
+            ]
             self.batches.append(mbs)
 
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:
@@ -161,6 +171,8 @@ class Bench:
         mode, per_token = VARIANTS[name]
         (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
         mbs, args = self.batches[index % len(self.batches)], self.args
+        if getattr(schedule, "self_check", None) is not None:
+            schedule.self_check.checked = False  # this step is checked as the first one
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         chunks[0].zero_grad_buffer()

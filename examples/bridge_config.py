@@ -44,7 +44,10 @@ class ContractOrderDataset(torch.utils.data.Dataset):
         position = dp_rank * (self.gbs // self.dp) + step * self.mbs + p
         if self._cached is None or self._cached[0] != iteration:
             self._cached = (iteration, global_batch(self.records, iteration, **self.data))
-        return {key: value[position] for key, value in self._cached[1].items()}
+        # Without the group ids: Bridge's collation would lose the step's group count that the
+        # group modes need (they refuse here, in one line).
+        batch = self._cached[1]
+        return {key: value[position] for key, value in batch.items() if key != "group_ids"}
 
 
 def _dataset_config(args: argparse.Namespace) -> Any:

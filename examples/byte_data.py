@@ -78,13 +78,8 @@ def _check_record(record: object, where: str) -> None:
 def load_records(path: str | None) -> list[dict]:
     """Records of a JSONL file (blank lines skipped), or of the embedded corpus for ``None``;
     ``ValueError`` naming the file and line for anything else."""
-    if path is None:
-        name = "examples/data/default_corpus.jsonl"
-        text = _DEFAULT_CORPUS.read_text("utf-8")
-    else:
-        name = str(path)
-        with open(path, "rb") as f:
-            text = _decode_utf8(f.read(), name)
+    name = "examples/data/default_corpus.jsonl" if path is None else str(path)
+    text = _decode_utf8((_DEFAULT_CORPUS if path is None else Path(path)).read_bytes(), name)
     records = []
     for record, where in iter_jsonl(text, name):
         _check_record(record, where)
@@ -177,12 +172,11 @@ def encode_record(
         empty = not target and any(kept)
         stats.eos_only += empty and pair
         stats.empty_text += empty and not pair
-    mask = kept
     pad = seq_length - len(tokens)
     return {
         "tokens": torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64),
         "labels": torch.tensor(labels + [tokenizer.pad_id] * pad, dtype=torch.int64),
-        "loss_mask": torch.tensor(mask + [0.0] * pad, dtype=torch.float32),
+        "loss_mask": torch.tensor(kept + [0.0] * pad, dtype=torch.float32),
         "position_ids": torch.arange(seq_length, dtype=torch.int64),
     }
 
@@ -197,9 +191,11 @@ def _epoch_permutation(num_records: int, seed: int, epoch: int) -> Tensor:
 def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: int,
                  seq_length: int, seed: int, tokenizer: ByteTokenizer,
                  stats: DataStats | None = None) -> dict[str, Tensor]:  # fmt: skip
-    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``:
-    samples ``iteration * global_batch_size`` onward of an endless walk over the records, in a
-    fresh seeded permutation each epoch. Nothing here depends on the parallel layout."""
+    """The whole global batch of ``iteration``, each tensor ``[global_batch_size, seq_length]``,
+    and ``group_ids`` ``[global_batch_size]``: samples of the same prompt share a group (numbered
+    in order of appearance), each text sample is a group of its own. Samples
+    ``iteration * global_batch_size`` onward of an endless walk over the records, in a fresh
+    seeded permutation each epoch. Nothing here depends on the parallel layout."""
     if not records:
         raise ValueError("records is empty")
     if iteration < 0:
@@ -208,13 +204,19 @@ def global_batch(records: Sequence[dict], iteration: int, *, global_batch_size: 
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size}")
 
     perms: dict[int, Tensor] = {}
-    samples = []
+    samples, groups, group_ids = [], {}, []
     for k in range(iteration * global_batch_size, (iteration + 1) * global_batch_size):
         epoch, pos = divmod(k, len(records))
         if epoch not in perms:
             perms[epoch] = _epoch_permutation(len(records), seed, epoch)
-        samples.append(encode_record(records[int(perms[epoch][pos])], tokenizer, seq_length, stats))
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        index = int(perms[epoch][pos])
+        record = records[index]
+        samples.append(encode_record(record, tokenizer, seq_length, stats))
+        key = ("prompt", record["prompt"]) if "prompt" in record else ("record", index)
+        group_ids.append(groups.setdefault(key, len(groups)))
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    batch["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
+    return batch
 
 
 def microbatches(
@@ -227,10 +229,8 @@ def microbatches(
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size}")
     sizes = {t.shape[0] for t in batch.values()}
-    if not sizes:
-        raise ValueError("batch has no tensors")
     if len(sizes) != 1:
-        raise ValueError(f"batch tensors disagree on the batch dimension: {sorted(sizes)}")
+        raise ValueError(f"batch tensors must share one batch dimension, got {sorted(sizes)}")
     (global_batch_size,) = sizes
     step = dp_size * micro_batch_size
     if global_batch_size % step:
@@ -240,7 +240,9 @@ def microbatches(
         )
     per_rank = global_batch_size // dp_size
     start = dp_rank * per_rank
+    # The step's group count goes with every micro-batch (the plugin's group modes read it).
+    ranges = {"num_groups": int(batch["group_ids"].max()) + 1} if "group_ids" in batch else {}
     return [
-        {key: t[i : i + micro_batch_size] for key, t in batch.items()}
+        {key: t[i : i + micro_batch_size] for key, t in batch.items()} | ranges
         for i in range(start, start + per_rank, micro_batch_size)
     ]

@@ -27,7 +27,7 @@ from functools import partial
 from byte_data import ByteTokenizer, microbatches
 from gpt_model import add_model_args
 from grpo_task import Sampler, prompt_width
-from rollouts import encode_rollouts, load_rollouts, replay_batch
+from rollouts import encode_rollouts, load_rollouts, prompt_groups, replay_batch, with_group_range
 from train_loop import Run, add_training_args, check_before_start, stock_reported
 from usage import ExampleArgumentParser, exit_before_startup
 
@@ -168,12 +168,15 @@ def main(argv: list[str] | None = None) -> None:
             # A rollout without response tokens has no loss token: it trains on nothing.
             extra["no_loss_token_samples"] = sum(not r["response_ids"] for r in chosen)
             batch = encode_rollouts(chosen, args.seq_length, tok.pad_id, with_ref=has_ref)
+            batch["group_ids"], num_groups = prompt_groups(chosen)
             mbs = microbatches(batch, dp_rank=run.dp_rank, dp_size=run.dp,
                                micro_batch_size=args.micro_batch_size)  # fmt: skip
         else:  # already this rank's slice: contiguous micro-batches of it
             batch, extra = sampler.rollouts(iteration - 1)
             extra["rollout_time_s"] = time.perf_counter() - start
             mbs = microbatches(batch, dp_rank=0, dp_size=1, micro_batch_size=args.micro_batch_size)
+            num_groups = args.prompts_per_step
+        mbs = with_group_range(mbs, num_groups)
         grad_norm, metrics = run.step(partial(forward_step, run), mbs)
         rl = rl_metrics(metrics, run.schedule.config.reduction, has_ref)
         items = [] if sampler is None else [("reward", f"{extra['reward_mean']:.4f}")]

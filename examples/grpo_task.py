@@ -149,6 +149,9 @@ class Sampler:
             for (p, _), resp, a in zip(local, responses, advantages[mine].tolist(), strict=True)
         ]
         batch = encode_rollouts(records, args.seq_length, tok.pad_id, with_ref=False)
+        # Prompt groups (--loss-reduction group_mean) are G consecutive sequences of the global
+        # batch.
+        batch["group_ids"] = torch.arange(len(prompts))[mine] // args.num_generations
         batch = {k: v.to(run.device) for k, v in batch.items()}
         if self.ref is not None:  # log-probs of the labels under the frozen reference
             self.ref.eval()

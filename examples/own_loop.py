@@ -1,5 +1,5 @@
 """A complete Megatron-Core training loop of your own, with the plugin: the recipe of the README's
-"Use it in your training script", as a script that runs.
+"Your own training loop" (docs/own_loop.md), as a script that runs.
 
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --micro-batch-size 2
 
@@ -107,7 +107,7 @@ for iteration in range(1, args.train_iters + 1):
             num_microbatches=len(mbs), seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False,
         )  # fmt: skip
-    except lossfix.StepRefused as exc:  # on every rank together: each says why, all stop
+    except (lossfix.StepRefused, lossfix.SelfCheckError) as exc:  # every rank: each says why
         print(f"rank {dist.get_rank()}: {exc}\n", end="", flush=True)  # one write: no interleaving
         dist.barrier()
         raise SystemExit(1) from None

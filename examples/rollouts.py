@@ -4,7 +4,8 @@ line, and rollouts as next-token batches.
 A record is ``{"prompt_ids": [int], "response_ids": [int], "advantage": float}``, optionally with
 ``"old_logprobs"`` and ``"ref_logprobs"`` (one float per response token). Iteration i trains on
 records ``i*B .. i*B+B-1`` (B = ``--global-batch-size``, wrapping around the file), the same
-sequences in the same order under every layout.
+sequences in the same order under every layout. Consecutive records with the same
+``prompt_ids`` form a prompt group (``--loss-reduction group_mean``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import torch
 from byte_data import iter_jsonl
 
-__all__ = ["encode_rollouts", "load_rollouts", "replay_batch"]
+__all__ = ["encode_rollouts", "load_rollouts", "prompt_groups", "replay_batch", "with_group_range"]
 
 
 def _ids(record: dict, key: str, where: str, vocab: int) -> list[int]:
@@ -134,3 +135,21 @@ def replay_batch(records: list[dict], iteration: int, global_batch_size: int) ->
     """The records of ``iteration`` (0-based): the next ``global_batch_size`` in file order."""
     start = iteration * global_batch_size
     return [records[(start + k) % len(records)] for k in range(global_batch_size)]
+
+
+def prompt_groups(records: list[dict]) -> tuple[torch.Tensor, int]:
+    """Each record's prompt group in a global batch, for ``--loss-reduction group_mean``: runs
+    of consecutive records with the same ``prompt_ids`` (a prompt's responses, as GRPO writes
+    them), numbered from 0; and their number."""
+    ids, group = [], -1
+    for k, rec in enumerate(records):
+        if k == 0 or rec["prompt_ids"] != records[k - 1]["prompt_ids"]:
+            group += 1
+        ids.append(group)
+    return torch.tensor(ids), group + 1
+
+
+def with_group_range(mbs: list[dict], num_groups: int) -> list[dict]:
+    """The micro-batches with the step's group count, which the plugin's group modes read
+    beside each micro-batch's ``group_ids``."""
+    return [{**mb, "num_groups": num_groups} for mb in mbs]

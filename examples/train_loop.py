@@ -4,7 +4,8 @@ through the plugin's schedule, and one metrics record and log line per iteration
 ``pretrain_gpt.py`` and ``grpo_gpt.py`` differ only in their data and their loss; the rest is
 here, so a layout behaves the same way in either. The metrics record holds the fields the
 examples promise (``iteration, loss, grad_norm, num_tokens, num_sequences, step_time_s``, with
-MTP layers ``mtp_loss_<j>``), then what the script adds.
+MTP layers ``mtp_loss_<j>``; ``num_groups`` in the modes over group ids), then what the script
+adds.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def _stock_report(loss_func: Callable, output: torch.Tensor) -> tuple:
     return loss, num_tokens, {**report, **stock}
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    """A micro-batch entry on ``device`` (an int, such as ``num_groups``, stays as it is)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 class Run:
     """Process groups, model chunks, Adam and the plugin's schedule of one run (every rank)."""
 
@@ -160,7 +166,8 @@ class Run:
     def step(self, forward_step: Callable, microbatches: Sequence[dict]) -> tuple[float, dict]:
         """One optimizer step over this rank's micro-batches: the grad norm (before clipping,
         over all shards) and the step's global metrics. A refused step ends the run (exit 1)."""
-        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in microbatches]
+        # An int entry (the step's ``num_groups``) stays as it is.
+        mbs = [{k: _to(v, self.device) for k, v in mb.items()} for mb in microbatches]
         for chunk in self.chunks:  # as Megatron-LM: DDP's buffers, then the optimizer's
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -209,6 +216,8 @@ class Run:
             "grad_norm": grad_norm,
             "num_tokens": int(metrics["num_tokens"]),
             "num_sequences": int(metrics["num_sequences"]) if "num_sequences" in metrics else None,
+            # Modes over group ids: the groups (trajectories) with a loss token.
+            **({"num_groups": int(metrics["num_groups"])} if "num_groups" in metrics else {}),
             "step_time_s": seconds,
             "reduction": self.schedule.config.reduction,
             **{k: v for k, v in metrics.items() if k.startswith("mtp_loss_")},

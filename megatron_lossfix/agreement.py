@@ -59,6 +59,7 @@ class Problem(enum.Enum):
     MTP = "the multi-token prediction loss could not be normalized"
     UNREDUCED = "the model's gradients are not reduced across data-parallel ranks"
     KEPT_MASK = "a mask decided in the loss (kept_weights) is malformed"
+    GROUP_IDS = "a micro-batch's group or trajectory ids are missing, malformed or out of range"
 
     def refusal(self, message: str, cause: BaseException | None = None) -> StepRefused:
         """This rank's reason to refuse the step, of this kind, which the agreement tells every
@@ -201,7 +202,8 @@ class Agreement:
         ``pp_size``: the pipeline stages whose fingerprints were summed; ``mine``: this rank's
         problem; ``settings``: this rank's, for the message; ``late``: this rank's problem
         found on the device (without a sync before the all-reduce), asked only when the step
-        is refused. One host read of the record.
+        is refused. One host read of the record; returns the counts it read (the device's stay
+        in :attr:`counts`).
         """
         values = self.to_tensor().tolist()
         fp, fp_sq, problems, rank_sum = values[:_HEADER]

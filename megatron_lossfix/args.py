@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.reduction import MODES, LossFixConfig
+from megatron_lossfix.reduction import ALIASES, MODES, LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [
@@ -89,12 +89,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--loss-reduction",
         dict(
-            choices=MODES,
+            choices=(*MODES, *ALIASES),
             default=None,
             help="how the step's loss is normalized: token_mean (every loss token equal), "
-            "sequence_mean (every sequence equal), seq_mean_token_sum_norm (Dr. GRPO, needs "
-            "--loss-norm-constant), sum, token_mean_legacy (reproduces the old mean of "
-            "per-micro-batch means), or off (stock Megatron). Not given: the plugin stays out.",
+            "sequence_mean (every sequence equal; every trajectory where micro-batches carry "
+            "trajectory_ids), seq_mean_token_sum_norm (Dr. GRPO, needs --loss-norm-constant), "
+            "sum, token_mean_legacy (reproduces the old mean of per-micro-batch means), "
+            "group_mean or its alias prompt_mean (every prompt group equal, token mean inside "
+            "it; needs group_ids and num_groups in the micro-batches), or off (a literal "
+            "pass-through to stock Megatron). Not given: the plugin stays out.",
         ),
     ),
     (
@@ -146,11 +149,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--lossfix-self-check",
         dict(
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=None,
             help="at the first training step, re-run the same data split into different "
-            "micro-batches and raise if the gradient changes (catches loss functions that "
-            "normalize twice or ignore the plugin's weights); costs one or two extra "
-            "forward/backward passes once. Needs --loss-reduction.",
+            "micro-batches and raise if the gradient changes (catches a loss function that "
+            "returns a mean instead of the weighted sum, or ignores the plugin's weights); "
+            "costs one or two extra forward/backward passes, once. On by default with "
+            "--loss-reduction (skipped silently where the step cannot be re-split); "
+            "--lossfix-self-check also warns or refuses there; --no-lossfix-self-check "
+            "skips it.",
         ),
     ),
     (
@@ -204,11 +211,11 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     """
     reduction = getattr(args, "loss_reduction", None)
     norm_constant = getattr(args, "loss_norm_constant", None)
-    self_check = getattr(args, "lossfix_self_check", False)
+    self_check = getattr(args, "lossfix_self_check", None)
     if reduction is None:
         if norm_constant is not None:
             raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
-        if self_check:
+        if self_check:  # asked for explicitly
             raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
         for flag in ("mask_in_loss", "counting_pass"):
             if getattr(args, f"lossfix_{flag}", False):
@@ -237,10 +244,12 @@ def schedule_from_args(
     """The schedule to call where a training loop called ``get_forward_backward_func()``.
 
     A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
-    ``--loss-reduction`` its mode is ``off``: Megatron's stock averaging, with the loss mask as
-    ``batch["loss_weights"]``, so the same ``loss_func`` works with and without the flag. With
-    ``--lossfix-self-check`` its first training step is checked (``LossFixConfig.self_check``):
-    one line with the measured gradient change when it passes, ``SelfCheckError`` when not.
+    ``--loss-reduction`` its mode is ``off``: a literal pass-through to Megatron's own schedule
+    (no collective, nothing added to the batches, the loss tuples handed on unchanged), so a
+    ``loss_func`` that falls back to the loss mask when ``batch`` has no ``"loss_weights"`` works
+    with and without the flag. With ``--loss-reduction`` its first training step is checked
+    unless ``--no-lossfix-self-check`` (``LossFixConfig.self_check``): one line with the
+    measured gradient change when it passes, ``SelfCheckError`` when not.
 
     Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.

@@ -16,11 +16,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.group_ids import (
+    GroupIds,
+    bad_id_message,
+    bad_id_values,
+    check_ids,
+    ids_for_mode,
+    missing_group_ids_message,
+)
+from megatron_lossfix.groups import group_size
 from megatron_lossfix.kept import kept_weights
 from megatron_lossfix.reduction import (
     REDUCTIONS,
     bad_mask_message,
     bad_mask_values,
+    canonical_mode,
     check_mode,
     count_tokens,
     float_masks,
@@ -77,20 +87,118 @@ def loss_weights(
     norm_constant: float | None = None,
     dp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    group_ids: Sequence[torch.Tensor] | None = None,
+    num_groups: int | None = None,
+    trajectory_ids: Sequence[torch.Tensor] | None = None,
+    num_trajectories: int | None = None,
+    rank_local: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
-    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`).
+    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`, or the alias
+    ``prompt_mean``).
 
     ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
-    ``cp_group``; ``dp_group``: data-parallel group without CP. Returns float32 tensors of the
-    masks' shapes; with both groups None nothing is communicated. Raises ``ValueError`` for an
-    unknown mode, a missing or bad ``norm_constant``, or a malformed mask.
+    ``cp_group``; ``dp_group``: data-parallel group without CP (Megatron's
+    ``parallel_state.get_data_parallel_group()``). Returns float32 tensors of the masks' shapes;
+    with both groups None nothing is communicated and the masks are the whole mini-batch.
+    ``rank_local=True``: this rank's masks are its own mini-batch, whatever the world size;
+    without it, both groups None while ``torch.distributed`` runs more than one rank is refused
+    (the weights would silently be this rank's, not the step's). ``group_mean`` needs
+    ``group_ids`` (per micro-batch, one integer id per row, global over the step, in ``[0,
+    num_groups)``); the sequence modes take ``trajectory_ids`` and ``num_trajectories`` alike, to
+    count a trajectory split into several rows once. Raises ``ValueError`` for an unknown mode,
+    a missing or bad ``norm_constant``, a malformed mask, missing or bad ids (on every rank of
+    the groups when the ids are refused), ids a mode would ignore, or that refusal.
     """
     check_mode(reduction, norm_constant, REDUCTIONS)
+    reduction = canonical_mode(reduction)
+    no_group = dp_group is None and cp_group is None
+    if no_group and not rank_local and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"loss_weights without dp_group on {dist.get_world_size()} ranks would weigh this "
+            "rank's masks alone: pass dp_group=parallel_state.get_data_parallel_group() (and "
+            "cp_group for context-parallel shards), or rank_local=True for rank-local weights"
+        )
     masks = float_masks(loss_masks)
     bad = bad_mask_values(masks)
     if bool(bad.any()):
         raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
-    global_counts = reduction in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-    counts = count_tokens(masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group)
+    groups = _group_ids(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
+    if groups is not None:
+        _agree_on_ids(groups, dp_group, cp_group)
+    global_counts = reduction in (
+        "token_mean",
+        "sequence_mean",
+        "seq_mean_token_sum_norm",
+        "group_mean",
+    )
+    counts = count_tokens(
+        masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group, groups=groups
+    )
     return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)
+
+
+def _group_ids(
+    reduction: str,
+    masks: list[torch.Tensor],
+    group_ids: Sequence[torch.Tensor] | None,
+    num_groups: int | None,
+    trajectory_ids: Sequence[torch.Tensor] | None,
+    num_trajectories: int | None,
+) -> GroupIds | None:
+    """The ids ``reduction`` weights by, checked (no device sync); ids it would ignore refused."""
+    wanted = ids_for_mode(reduction)
+    given = {
+        "group": (group_ids, num_groups, "group_ids", "num_groups"),
+        "trajectory": (trajectory_ids, num_trajectories, "trajectory_ids", "num_trajectories"),
+    }
+    for kind, (ids, count, name, count_name) in given.items():
+        if kind != wanted and (ids is not None or count is not None):
+            users = "group_mean" if kind == "group" else "sequence_mean, seq_mean_token_sum_norm"
+            raise ValueError(
+                f"{name}/{count_name} apply only to {users}, not {reduction}; drop them or "
+                "change the reduction"
+            )
+    if wanted is None:
+        return None
+    ids, count, name, count_name = given[wanted]
+    if ids is None:
+        if wanted == "group":
+            raise ValueError(missing_group_ids_message())
+        if count is not None:
+            raise ValueError(f"{count_name} needs {name}")
+        return None
+    rows = [m.shape[0] for m in masks]
+    count = check_ids(ids, count, rows, name, count_name)
+    moved = [i.to(device=masks[0].device) for i in ids]
+    return GroupIds(ids=moved, count=count, name=name)
+
+
+def _agree_on_ids(
+    groups: GroupIds, dp_group: dist.ProcessGroup | None, cp_group: dist.ProcessGroup | None
+) -> None:
+    """Refuse bad ids on every rank of the groups: one small all-reduce over each group of
+    ``[1, count, count**2, bad]`` (the ranges agree exactly when ``sum(c)**2 == n * sum(c**2)``)
+    before the counts' all-reduces, whose size is the range."""
+    bad = bad_id_values(groups)
+    vec = torch.stack(
+        [
+            torch.ones((), dtype=torch.float64),
+            torch.tensor(float(groups.count), dtype=torch.float64),
+            torch.tensor(float(groups.count) ** 2, dtype=torch.float64),
+        ]
+    ).to(bad.device)
+    vec = torch.cat([vec, bad.any().double()[None]])
+    for group in (cp_group, dp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(vec, group=group)
+    n, total, squares, flagged = vec.tolist()
+    if bool(bad.any()):
+        raise ValueError(bad_id_message(groups, int(bad.nonzero()[0, 0])))
+    if flagged > 0:
+        raise ValueError(f"{groups.name} refused on another rank (see its error); every rank stops")
+    if total * total != n * squares:
+        raise ValueError(
+            f"the ranks disagree on the id range of {groups.name} (this rank: {groups.count}); "
+            "give every rank the same range"
+        )

@@ -205,7 +205,9 @@ def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) ->
     """This context-parallel rank's share of ``batch``, sliced as Megatron slices tokens.
 
     Slice every tensor that must line up token by token (weights, mask, labels) in one call:
-    with ``cu_seqlens`` in the batch, 0.18+ partitions packed documents by index.
+    with ``cu_seqlens`` in the batch, 0.18+ partitions packed documents by index. Entries
+    without a sequence dimension (one value per sequence, such as ``group_ids``, or not a
+    tensor, such as ``num_groups``) are passed through unsliced.
     """
     if cp_group is None:
         raise ValueError(
@@ -215,7 +217,17 @@ def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) ->
         )
     if dist.get_world_size(cp_group) == 1:
         return dict(batch)
-    return _get_batch_on_this_cp_rank()(dict(batch), cp_group=cp_group)
+    unsliced = {
+        k: v
+        for k, v in batch.items()
+        if k not in _CP_METADATA and v is not None and not (torch.is_tensor(v) and v.dim() >= 2)
+    }
+    tokens = {k: v for k, v in batch.items() if k not in unsliced}
+    return {**_get_batch_on_this_cp_rank()(tokens, cp_group=cp_group), **unsliced}
+
+
+#: What Megatron's CP slicing reads itself (packed-sequence metadata): never held back.
+_CP_METADATA = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size")
 
 
 @functools.cache

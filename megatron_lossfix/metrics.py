@@ -1,12 +1,13 @@
 """The step's metrics: a :class:`~megatron_lossfix.step.StepRecord` reduced to global numbers.
 
-``loss`` is L (docs/design.md §2), ``num_tokens`` N, ``num_sequences`` S, ``mtp_loss_<j>``
-each MTP layer's; the reports' 0-dim entries named ``*_sum``/``*_count`` are summed, ``*_max``
-maxed and ``*_min`` minimized over DP x CP. Where the loss said which tokens it kept
-(``kept_weights``, docs/design.md §10): ``kept_token_fraction`` and ``kept_sequence_fraction``
-(of the loss mask's tokens and sequences), and under ``mask_in_loss`` N and S are the kept
-ones (0 when nothing was kept: the step trained nothing). The loss stage computes them (one SUM
-and one MAX all-reduce over DP x CP) and broadcasts them to the other pipeline stages.
+``loss`` is L (docs/design.md §2), ``num_tokens`` N, ``num_sequences`` S, ``num_groups`` G
+(modes over group ids), ``mtp_loss_<j>`` each MTP layer's; the reports' 0-dim entries named
+``*_sum``/``*_count`` are summed, ``*_max`` maxed and ``*_min`` minimized over DP x CP. Where
+the loss said which tokens it kept (``kept_weights``, docs/design.md §10):
+``kept_token_fraction`` and ``kept_sequence_fraction`` (of the loss mask's tokens and
+sequences), and under ``mask_in_loss`` N, S and G are the kept ones (0 when nothing was kept:
+the step trained nothing). The loss stage computes them (one SUM and one MAX all-reduce over
+DP x CP) and broadcasts them to the other pipeline stages.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _local_metrics(record: StepRecord, groups: StepGroups) -> dict[str, float]:
     if record.counts is not None:  # a plugin mode
         out["num_tokens"] = record.counts.num_tokens
         out["num_sequences"] = record.counts.num_sequences
+        if record.counts.group_tokens is not None:  # groups (trajectories) with a loss token
+            out["num_groups"] = (record.counts.group_tokens > 0).sum()
         out["loss"] = sum_vec[0] * record.loss_scale
         if record.passthrough and record.per_token:
             # Megatron's per-token mode divides the summed loss by the global token count.

@@ -5,6 +5,10 @@ come from the step's loss masks: loss tokens are counted per sequence and per mi
 per-sequence counts summed over the context-parallel group (a sequence is split over CP ranks),
 N and S over the data-parallel group (a sequence lives on one DP rank); never over TP or the
 world. Counts stay on the device, in float64 (float32 is exact only up to 2**24 tokens).
+
+Group counts (:class:`~megatron_lossfix.group_ids.GroupIds`): where sequences carry a group id
+global over the step (a prompt group for ``group_mean``, a trajectory for the sequence modes),
+loss tokens are also counted per group, over every micro-batch and every DP and CP rank.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.group_ids import (
+    GroupIds,
+    group_tokens,
+    ids_for_mode,
+    missing_group_ids_message,
+)
 from megatron_lossfix.groups import group_size
 
 #: The plugin's modes (docs/design.md §2).
@@ -26,17 +36,31 @@ REDUCTIONS: tuple[str, ...] = (
     "seq_mean_token_sum_norm",
     "sum",
     "token_mean_legacy",
+    "group_mean",
 )
+#: Other names of modes: SkyRL calls ``group_mean`` over prompt groups ``prompt_mean``.
+ALIASES: dict[str, str] = {"prompt_mean": "group_mean"}
 #: Every accepted ``--loss-reduction``: the modes, and ``off`` (stock Megatron).
 MODES: tuple[str, ...] = (*REDUCTIONS, "off")
 _COUNT_DTYPE = torch.float64
 
 
+def canonical_mode(reduction: str) -> str:
+    """The mode an alias names (``prompt_mean`` -> ``group_mean``); other names unchanged."""
+    return ALIASES.get(reduction, reduction)
+
+
 def check_mode(reduction: object, norm_constant: object, modes: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant."""
+    """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant.
+
+    ``modes`` lists the accepted names; an alias of one of them is accepted too."""
+    if isinstance(reduction, str) and ALIASES.get(reduction) in modes:
+        reduction = ALIASES[reduction]
     if not isinstance(reduction, str) or reduction not in modes:
+        aliases = ", ".join(f"{a} = {m}" for a, m in ALIASES.items() if m in modes)
         raise ValueError(
             f"unknown loss reduction {reduction!r} (--loss-reduction); choose one of {modes}"
+            + (f" (aliases: {aliases})" if aliases else "")
         )
     uses_constant = reduction == "seq_mean_token_sum_norm"
     if norm_constant is None:
@@ -81,6 +105,22 @@ class LossFixConfig:
     """Key of a packed (THD) micro-batch's cumulative sequence lengths: its ``[1, T]`` mask
     holds several sequences, each counted as its own. Without it each row is a sequence."""
 
+    group_ids_key: str = "group_ids"
+    """Key of each sequence's group id (``group_mean``: a prompt's id, the same for all its
+    responses), an integer tensor with one entry per row (packed: per ``cu_seqlens`` sequence),
+    in ``[0, batch[num_groups_key])`` and global over the step."""
+
+    num_groups_key: str = "num_groups"
+    """Key of the step's group id range (an int, the same in every micro-batch and on every
+    rank); groups without a loss token in the step neither contribute nor count."""
+
+    trajectory_ids_key: str = "trajectory_ids"
+    """Key of each sequence's trajectory id, like ``group_ids_key``: where given, the sequence
+    modes weight trajectories (a trajectory split into several rows counts once)."""
+
+    num_trajectories_key: str = "num_trajectories"
+    """Key of the step's trajectory id range, like ``num_groups_key``."""
+
     data_is_cp_sharded: bool = False
     """True when the iterator yields this rank's context-parallel shard of each sequence; False
     (Megatron-LM's convention) when ``forward_step`` slices whole sequences with
@@ -105,9 +145,13 @@ class LossFixConfig:
     The step takes that path by itself where the scale would be wrong (MoE auxiliary losses,
     multi-token prediction)."""
 
-    self_check: bool = False
+    self_check: bool | None = None
     """At the first training step, re-run its data split into other micro-batches and raise
-    ``SelfCheckError`` when the gradient changes (one or two extra passes, once)."""
+    ``SelfCheckError`` when the gradient changes (one or two extra passes, once): it catches a
+    loss function that returns a mean instead of the weighted sum. ``None`` (the default): on
+    in every mode but ``off`` and ``token_mean_legacy``, skipped silently where the step
+    cannot be re-split or an integration cannot run it; ``True``: on, and refused (or warned
+    about) where it cannot run; ``False``: off (``--no-lossfix-self-check``)."""
 
     self_check_tolerance: float = 1e-5
     """The largest relative L2 gradient change the self-check accepts (about 1e-2 with bf16)."""
@@ -115,20 +159,29 @@ class LossFixConfig:
     def __post_init__(self) -> None:
         # The one validation: the flags (``args.from_args``) come through here too.
         check_mode(self.reduction, self.norm_constant, MODES)
+        self.reduction = canonical_mode(self.reduction)
         switches = {
             "validate": "--lossfix-no-validate",
             "check_finite": "--lossfix-check-finite",
             "data_is_cp_sharded": "no flag",
-            "self_check": "--lossfix-self-check",
+            "self_check": "--[no-]lossfix-self-check",
             "mask_in_loss": "--lossfix-mask-in-loss",
             "counting_pass": "--lossfix-counting-pass",
         }
         for name, flag in switches.items():
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"{name} ({flag}) must be True or False, got {getattr(self, name)!r}"
-                )
-        for name in ("loss_mask_key", "weights_key", "cu_seqlens_key"):
+            value, default = getattr(self, name), " or None (the default)" * (name == "self_check")
+            if not isinstance(value, bool) and not (default and value is None):
+                raise ValueError(f"{name} ({flag}) must be True or False{default}, got {value!r}")
+        keys = (
+            "loss_mask_key",
+            "weights_key",
+            "cu_seqlens_key",
+            "group_ids_key",
+            "num_groups_key",
+            "trajectory_ids_key",
+            "num_trajectories_key",
+        )
+        for name in keys:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"{name} must be a non-empty string (a batch key), got {value!r}")
@@ -170,6 +223,11 @@ class StepCounts:
     """n_k: loss tokens of each local micro-batch (all CP shards), ``[M]``."""
     dp_size: int
     """D: data-parallel size (without CP)."""
+    group_tokens: torch.Tensor | None = None
+    """With group ids: the loss tokens of each group (prompt or trajectory), ``[count]``
+    (global once reduced over DP x CP, like N)."""
+    group_ids: list[torch.Tensor] | None = None
+    """With group ids: the group of each local sequence, one vector per micro-batch."""
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -221,12 +279,15 @@ def count_tokens(
     cp_group: dist.ProcessGroup | None = None,
     segment_ids: Sequence[torch.Tensor | None] | None = None,
     num_segments: Sequence[int | None] | None = None,
+    groups: GroupIds | None = None,
 ) -> StepCounts:
     """Count the float32 ``masks``' loss tokens per sequence, micro-batch and step.
 
     Sequences are rows, unless ``segment_ids[k]`` assigns each token to one of
     ``num_segments[k]`` packed sequences. n_s is summed over ``cp_group`` (the masks are CP
-    shards), then N and S over ``dp_group`` unless ``global_counts=False``.
+    shards), then N and S over ``dp_group`` unless ``global_counts=False``. With ``groups`` the
+    tokens of each group ride in the same all-reduces (no collective of their own); their ids
+    must have been checked (:func:`~megatron_lossfix.group_ids.bad_id_values`).
     """
     seq_local = []
     for k, mask in enumerate(masks):
@@ -237,11 +298,18 @@ def count_tokens(
             counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
             seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
     flat = torch.cat(seq_local)
+    # The groups' counts come from the local shards: summed over CP with n_s, over DP with N.
+    per_key = None if groups is None else group_tokens(seq_local, groups)
+    num_seq = flat.numel()
     if group_size(cp_group) > 1:
-        dist.all_reduce(flat, group=cp_group)
+        both = flat if per_key is None else torch.cat([flat, per_key])
+        dist.all_reduce(both, group=cp_group)
+        flat, per_key = both[:num_seq], (None if per_key is None else both[num_seq:])
     seq_tokens = list(torch.split(flat, [c.numel() for c in seq_local]))
     # Every CP rank now holds the same n_s: N and S are summed over DP only.
     totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
+    if per_key is not None:
+        totals = torch.cat([totals, per_key])
     if global_counts and group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
     return StepCounts(
@@ -250,6 +318,8 @@ def count_tokens(
         seq_tokens=seq_tokens,
         mb_tokens=torch.stack([c.sum() for c in seq_tokens]),
         dp_size=group_size(dp_group),
+        group_tokens=None if per_key is None else totals[2:],
+        group_ids=None if groups is None else list(groups.ids),
     )
 
 
@@ -264,6 +334,10 @@ def weights_from_counts(
     """Float32 per-token weights from float32 masks and the step's counts. Denominators are
     clamped to 1 where the numerator is 0 anyway: no weight is ever NaN or Inf."""
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    if counts.group_tokens is not None and ids_for_mode(reduction) is not None:
+        return _group_weights(masks, counts, reduction, norm_constant, segment_ids)
+    if reduction == "group_mean":
+        raise ValueError(missing_group_ids_message())
     if reduction == "sum":
         return [m.clone() for m in masks]
     if reduction == "token_mean":
@@ -284,6 +358,32 @@ def weights_from_counts(
             out.append(m * (inv_seq.float()[:, None] if seg is None else inv_seq.float()[seg]))
         return out
     raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def _group_weights(
+    masks: Sequence[torch.Tensor],
+    counts: StepCounts,
+    reduction: str,
+    norm_constant: float | None,
+    segment_ids: Sequence[torch.Tensor | None] | None,
+) -> list[torch.Tensor]:
+    """The weights over groups: G groups with a loss token, n_g tokens of group g.
+    ``group_mean`` and ``sequence_mean`` over trajectories: ``m / (G * n_g)``;
+    ``seq_mean_token_sum_norm`` over trajectories: ``m / (G * C)``."""
+    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    n_group = counts.group_tokens.to(counts.num_tokens.device)
+    num_groups = (n_group > 0).sum(dtype=_COUNT_DTYPE).clamp(min=1)
+    if reduction == "seq_mean_token_sum_norm":
+        inv = (one / (num_groups * float(norm_constant))).float()
+        return [m * inv for m in masks]
+    inv_group = one / (n_group.clamp(min=1) * num_groups)
+    out = []
+    for k, m in enumerate(masks):
+        ids = counts.group_ids[k].to(device=inv_group.device, dtype=torch.long)
+        inv_seq = inv_group[ids].float().to(m.device)
+        seg = None if segment_ids is None else segment_ids[k]
+        out.append(m * (inv_seq[:, None] if seg is None else inv_seq[seg]))
+    return out
 
 
 def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:

@@ -2,7 +2,7 @@
 
 It composes three pieces that know nothing of one another's insides: the step
 (:class:`~megatron_lossfix.step.Step`: read, agree, weigh, wrap, scale), the self-check of the
-first training step when the config asks for it (:class:`~megatron_lossfix.selfcheck.SelfCheck`,
+first training step unless the config opts out (:class:`~megatron_lossfix.selfcheck.SelfCheck`,
 which runs the step and keeps its record), and the step's global metrics
 (:func:`~megatron_lossfix.metrics.reduce_step_metrics` of that record).
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from megatron_lossfix.metrics import reduce_step_metrics
 from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.selfcheck import SelfCheck
+from megatron_lossfix.selfcheck import first_step_check
 from megatron_lossfix.step import Step, StepRecord
 
 __all__ = ["LossFixSchedule"]
@@ -56,8 +56,9 @@ class LossFixSchedule:
         self.config = config
         self.step = Step(config, forward_backward_func, pg_collection)
         """The step itself, without the self-check."""
-        self.self_check = SelfCheck(config) if config.self_check else None
-        """The first-step re-split check (``config.self_check``), with what it measured."""
+        self.self_check = first_step_check(config)
+        """The first-step re-split check (on unless ``config.self_check=False``; None in
+        ``off``), with what it measured."""
 
     @property
     def last_step(self) -> StepRecord | None:

@@ -3,7 +3,10 @@
 The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
 runs it, such as Megatron-LM's plumbing around it), reads its public record of the step
 (``Step.last_step``) and puts that record back after its own re-runs. The step knows nothing
-of it; ``LossFixSchedule`` composes the two when ``LossFixConfig.self_check`` is set.
+of it; ``LossFixSchedule`` composes the two (:func:`first_step_check`): by default in every
+mode that can be checked, skipped silently where the step cannot be re-split; when the config
+asks for it explicitly (``self_check=True``), a step that cannot be checked is warned about or
+refused.
 """
 
 from __future__ import annotations
@@ -23,11 +26,23 @@ from megatron_lossfix.megatron_compat import model_config_of, model_parallel_gro
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step, StepRecord
 
-__all__ = ["SelfCheck", "SelfCheckError"]
+__all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
+
+#: Modes whose gradient depends on the micro-batch split by definition.
+_SPLIT_DEPENDENT = ("off", "token_mean_legacy")
 
 
 class SelfCheckError(RuntimeError):
     """The gradient moved under a re-split of the step, or differs across DP x CP replicas."""
+
+
+def first_step_check(config: LossFixConfig) -> SelfCheck | None:
+    """The check of ``config``'s first training step, or None: ``self_check=False``, or the
+    default (None) in a mode whose gradient depends on the split."""
+    wanted = config.self_check
+    if wanted is None:
+        wanted = config.reduction not in _SPLIT_DEPENDENT
+    return SelfCheck(config) if wanted else None
 
 
 class SelfCheck:
@@ -36,6 +51,7 @@ class SelfCheck:
     def __init__(self, config: LossFixConfig) -> None:
         self.config = config
         self.tolerance = config.self_check_tolerance
+        self.explicit = config.self_check is True  # asked for: say why a step is not checked
         self.checked = False  # the first training step was seen (checked or skipped)
         self.last_error: float | None = None  # relative L2 change of the gradient (None: none)
         self.last_plan: tuple | None = None  # (kind, factor, num_microbatches, micro_batch_size)
@@ -56,9 +72,9 @@ class SelfCheck:
         model, m = call["model"], call["num_microbatches"]
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         model_config = model_config_of(chunks[0])[0]  # None: not a Megatron model
-        reason = _why_not_checkable(self.config.reduction, model_config)
+        reason = _why_not_checkable(self.config.reduction, model_config, chunks)
         if reason:
-            warnings.warn(f"megatron_lossfix self-check skipped: {reason}", stacklevel=3)
+            self._skipped(reason)
             return run(**call)
         # 1. The normal step, keeping what forward_step reads from each data iterator, and what
         # training goes on from.
@@ -77,13 +93,12 @@ class SelfCheck:
         self.last_replica_spread = spread_max
         if not spread_max <= self.tolerance:
             raise self._replicas_differ(spread_max, spread == spread_max, worst, kept, groups)
-        if failed:
+        if failed and self.explicit:  # every rank: the flags are all-reduced
             problem = problem or "another rank could not re-split its micro-batches"
             drop = "this data cannot be checked: drop --lossfix-self-check"
             raise ValueError(f"megatron_lossfix self-check: {problem}; {drop}")
-        if not changed:
-            why = "no rank can re-split its step (one micro-batch of one row)"
-            warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=3)
+        if failed or not changed:
+            self._skipped("no rank can re-split its step (one micro-batch of one row)")
             return result
         self.last_plan = plan
         # 4. The re-split run against the normal one; 5. training goes on from the normal run.
@@ -94,6 +109,12 @@ class SelfCheck:
         self.last_error = error
         self._report(error, m, plan)
         return result
+
+    def _skipped(self, why: str) -> None:
+        """A step that cannot be checked: a warning when the check was asked for, else
+        nothing (the default skips silently)."""
+        if self.explicit:
+            warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=4)
 
     def _replicas_differ(
         self, spread: float, mine: bool, worst: int, kept: _Kept, groups: StepGroups
@@ -292,13 +313,16 @@ def _how(m: int, plan: tuple | None) -> str:
     return f"as {plan[2]} micro-batches instead of {m} ({cut} {plan[1]})"
 
 
-def _why_not_checkable(reduction: str | None, config: Any) -> str | None:
-    """Why the gradient depends on the split by design (the same on every rank), or None."""
-    if reduction in ("off", "token_mean_legacy"):
+def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) -> str | None:
+    """Why the step cannot be checked (the same on every rank), or None: its gradient depends
+    on the split by design, or the model holds no parameters to compare."""
+    if reduction in _SPLIT_DEPENDENT:
         return (
             f"reduction {reduction!r} depends on the micro-batch split by definition "
             "(Megatron's mean of per-micro-batch means)"
         )
+    if not all(isinstance(chunk, torch.nn.Module) for chunk in chunks):
+        return "the model is not a torch.nn.Module: no gradient to compare"
     moe = getattr(config, "num_moe_experts", None)
     aux, z = ((getattr(config, f"moe_{k}_loss_coeff", 0) or 0) > 0 for k in ("aux", "z"))
     capacity = getattr(config, "moe_expert_capacity_factor", None) is not None

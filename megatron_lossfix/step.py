@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+import megatron_lossfix.group_ids as group_ids
 import megatron_lossfix.megatron_compat as megatron_compat
 import megatron_lossfix.reduction as reduction
 from megatron_lossfix.agreement import (
@@ -49,6 +51,7 @@ from megatron_lossfix.agreement import (
     default_device,
 )
 from megatron_lossfix.counting_pass import counting_pass
+from megatron_lossfix.group_ids import GroupIds
 from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.kept import NUM_COUNTS as KEPT_COUNTS
 from megatron_lossfix.kept import KeptCounts, KeptStep, Phase, deferred_scale, phase_for
@@ -122,6 +125,9 @@ class StepData:
     """Float32 loss masks, one per micro-batch."""
     segments: list[tuple[torch.Tensor | None, int | None]] = field(default_factory=list)
     """Per micro-batch: each token's packed-sequence index and their number (None: rows)."""
+    group_ids: GroupIds | None = None
+    """Each sequence's group (``group_mean``) or trajectory (the sequence modes), where the
+    mode weights by them and the micro-batches carry them; their range is not checked yet."""
 
     @property
     def segment_ids(self) -> list[torch.Tensor | None]:
@@ -259,13 +265,60 @@ def _read(record: StepRecord, source: Any, mtp_layers: int) -> StepData:
                 "packed micro-batches (cu_seqlens) with multi-token prediction: the "
                 "plugin normalizes MTP layers over whole rows only"
             )
-        return StepData(batches, masks, segments)
+        try:
+            groups = _group_ids(record.config, batches, masks, segments)
+        except ValueError as exc:
+            raise Problem.GROUP_IDS.refusal(str(exc)) from None
+        return StepData(batches, masks, segments, groups)
     except StepRefused as exc:
         record.problem = exc
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
         message = f"preparing the step raised {type(exc).__name__}: {exc}"
         record.problem = Problem.OTHER.refusal(message, exc)
     return StepData()
+
+
+def _group_ids(
+    config: LossFixConfig, batches: list, masks: list[torch.Tensor], segments: list
+) -> GroupIds | None:
+    """The ids the mode weights by, from the micro-batches (structure checked, no device sync):
+    one per row, or per ``cu_seqlens`` sequence of a packed micro-batch (whose tokens after the
+    last boundary then count for no group). None where the mode needs none, or a sequence mode
+    finds no trajectory ids; ``ValueError`` for what the ids cannot mean."""
+    kind = group_ids.ids_for_mode(config.reduction)
+    if kind is None:
+        return None
+    if kind == "group":
+        ids_key, count_key = config.group_ids_key, config.num_groups_key
+    else:
+        ids_key, count_key = config.trajectory_ids_key, config.num_trajectories_key
+    missing = [k for k, b in enumerate(batches) if ids_key not in b]
+    if len(missing) == len(batches):
+        if kind == "group":
+            raise ValueError(group_ids.missing_group_ids_message(ids_key, count_key))
+        return None
+    if missing:
+        raise ValueError(f"micro-batch {missing[0]} has no {ids_key!r}, other micro-batches do")
+    counts = [group_ids.id_count(b.get(count_key), f"{count_key!r}") for b in batches]
+    if len(set(counts)) > 1:
+        k = counts.index(next(c for c in counts if c != counts[0]))
+        raise ValueError(
+            f"{count_key!r} is the step's id range, the same in every micro-batch: "
+            f"micro-batch 0 has {counts[0]}, micro-batch {k} {counts[k]}"
+        )
+    rows = [
+        m.shape[0] if num is None else num - 1 for m, (_, num) in zip(masks, segments, strict=True)
+    ]
+    ids = [b[ids_key] for b in batches]
+    count = group_ids.check_ids(ids, counts[0], rows, repr(ids_key), repr(count_key))
+    ids = [i.to(device=m.device, dtype=torch.long) for i, m in zip(ids, masks, strict=True)]
+    # A packed row's tokens after its last boundary form one more segment (padding): group 0
+    # stands in, and the agreement refuses the step if that segment holds a loss token.
+    ids = [
+        i if seg is None else torch.cat([i, i.new_zeros(1)])
+        for i, (seg, _) in zip(ids, segments, strict=True)
+    ]
+    return GroupIds(ids=ids, count=count, name=repr(ids_key))
 
 
 # ---------------------------------------------------------------------- agree
@@ -284,40 +337,115 @@ def _agree(
     cfg, groups, problem = record.config, record.groups, record.problem
     settings = StepSettings(cfg.reduction, record.per_token)
     mask_sets = [data.masks, *mtp_masks]
-    mine = Agreement.of_rank(settings, problem, num_counts=2 * len(mask_sets))
+    # The last two counts are the ids' range and its square, for modes that weight by group
+    # ids: every rank must bring the same (or none, a sequence mode without trajectory ids).
+    # Every mode sends them (zeros where unused), so that ranks disagreeing on the mode still
+    # all-reduce records of one size and hear of it in the verdict.
+    by_ids = group_ids.ids_for_mode(cfg.reduction) is not None
+    num_counts = 2 * len(mask_sets) + 2
+    mine = Agreement.of_rank(settings, problem, num_counts=num_counts)
     sharded_cp = cfg.data_is_cp_sharded and groups.cp_size > 1
-    bad, local = None, []
+    checks: dict[str, torch.Tensor] = {}
+    local: list[StepCounts] = []
     if groups.is_last_stage and problem is None:
         if cfg.validate:
-            bad = reduction.bad_mask_values(data.masks)
-            mine.report(Problem.MASK_VALUES, bad.any())
+            checks["masks"] = reduction.bad_mask_values(data.masks)
+            mine.report(Problem.MASK_VALUES, checks["masks"].any())
         if not sharded_cp:
             local = [data.counts(masks, global_counts=False) for masks in mask_sets]
             totals = [n for c in local for n in (c.num_tokens, c.num_sequences)]
-            mine.counts.copy_(torch.stack(totals))
+            mine.counts[: 2 * len(mask_sets)].copy_(torch.stack(totals))
+        if data.group_ids is not None:
+            checks.update(_check_ids(data, local))
+            mine.report(Problem.GROUP_IDS, checks["ids"].any() | checks["tails"].any())
+            count = float(data.group_ids.count)
+            mine.counts[-2:] = torch.tensor([count, count * count], dtype=torch.float64)
 
-    def bad_masks() -> StepRefused | None:  # asked only when the step is refused
-        if bad is None or not bool(bad.any()):
-            return None
-        first = int(bad.nonzero()[0, 0])
-        return Problem.MASK_VALUES.refusal(reduction.bad_mask_message(first))
+    def late() -> StepRefused | None:  # asked only when the step is refused
+        return _late_problem(checks, data)
 
     agreed = agree(mine, groups)
-    agreed.verdict(groups.pp_size, problem, settings, late=bad_masks)
+    sums = agreed.verdict(groups.pp_size, problem, settings, late=late)
+    if by_ids:
+        _agree_on_id_range(sums[-2:], groups, data.group_ids)
     if not groups.is_last_stage:
         return []
+    ids = data.group_ids
     if sharded_cp:
-        record.counts = data.counts(data.masks, dp_group=groups.dp, cp_group=groups.cp)
+        record.counts = data.counts(data.masks, dp_group=groups.dp, cp_group=groups.cp, groups=ids)
         return []
-    sums = agreed.counts.to(data.masks[0].device) / float(groups.cp_size)
+    totals = agreed.counts.to(data.masks[0].device) / float(groups.cp_size)
+    per_group = _group_tokens(local, ids, groups)
     counts = [
         dataclasses.replace(
-            c, num_tokens=sums[2 * j], num_sequences=sums[2 * j + 1], dp_size=groups.dp_size
+            c,
+            num_tokens=totals[2 * j],
+            num_sequences=totals[2 * j + 1],
+            dp_size=groups.dp_size,
+            group_tokens=None if ids is None else per_group[j],
+            group_ids=None if ids is None else ids.ids,
         )
         for j, c in enumerate(local)
     ]
     record.counts = counts[0]
     return counts[1:]
+
+
+def _check_ids(data: StepData, local: list[StepCounts]) -> dict[str, torch.Tensor]:
+    """On the device, per micro-batch: ids out of range, and packed rows with loss tokens after
+    their last ``cu_seqlens`` boundary (which no id covers)."""
+    ids = data.group_ids
+    tails = [
+        local[0].seq_tokens[k][-1] > 0 if local and seg is not None else torch.tensor(False)
+        for k, (seg, _) in enumerate(data.segments)
+    ]
+    device = ids.ids[0].device
+    return {"ids": group_ids.bad_id_values(ids), "tails": torch.stack(tails).to(device)}
+
+
+def _late_problem(checks: dict[str, torch.Tensor], data: StepData) -> StepRefused | None:
+    """This rank's problem found on the device, named (read only when the step is refused)."""
+    if "masks" in checks and bool(checks["masks"].any()):
+        first = int(checks["masks"].nonzero()[0, 0])
+        return Problem.MASK_VALUES.refusal(reduction.bad_mask_message(first))
+    if "ids" in checks and bool(checks["ids"].any()):
+        first = int(checks["ids"].nonzero()[0, 0])
+        return Problem.GROUP_IDS.refusal(group_ids.bad_id_message(data.group_ids, first))
+    if "tails" in checks and bool(checks["tails"].any()):
+        first = int(checks["tails"].nonzero()[0, 0])
+        return Problem.GROUP_IDS.refusal(
+            f"micro-batch {first} is packed and has loss tokens after its last cu_seqlens "
+            f"boundary, which no {data.group_ids.name} covers"
+        )
+    return None
+
+
+def _agree_on_id_range(sums: list[float], groups: StepGroups, ids: GroupIds | None) -> None:
+    """Refuse the step on every rank (all read the same sums) when the loss stage's DP x CP
+    ranks brought different id ranges: the per-group counts are a vector of that size."""
+    total, squares = sums
+    if total * total != groups.dp_cp_size * squares:
+        mine = "none" if ids is None else f"{ids.name} in [0, {ids.count})"
+        raise StepRefused(
+            f"{REFUSAL_PREFIX}data- or context-parallel ranks disagree on the group ids' range "
+            f"(num_groups or num_trajectories; this rank: {mine}); give every micro-batch of "
+            "the step the same range, and every rank its ids",
+            Problem.GROUP_IDS,
+        )
+
+
+def _group_tokens(
+    local: list[StepCounts], ids: GroupIds | None, groups: StepGroups
+) -> list[torch.Tensor | None]:
+    """Each mask set's loss tokens per group, global: one all-reduce over DP x CP of one
+    vector (the groups' range per mask set), after the verdict checked the ids."""
+    if ids is None:
+        return [None] * len(local)
+    per_group = torch.cat([group_ids.group_tokens(c.seq_tokens, ids) for c in local])
+    if groups.dp_cp_size > 1:
+        dist.all_reduce(per_group, group=groups.dp_cp)
+    # CP ranks hold the same whole sequences.
+    return list(torch.split(per_group / float(groups.cp_size), ids.count))
 
 
 # ---------------------------------------------------------------------- weigh
@@ -606,10 +734,13 @@ def _read_batches(source: Any, num_microbatches: int) -> list:
                 f"num_microbatches={num_microbatches}"
             ) from None
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it
-            hint = "; pass an iterator (iter(...)), not an iterable"
+            # An iterable where an iterator belongs (a list, a range) fails at next(), here or
+            # inside a wrapper such as the self-check's recorder.
+            not_iterator = not hasattr(source, "__next__") or "is not an iterator" in str(exc)
+            hint = "; pass an iterator (iter(...)), not an iterable" if not_iterator else ""
             message = (
                 f"reading micro-batch {k} from the data iterator raised {type(exc).__name__}: "
-                f"{exc}{'' if hasattr(source, '__next__') else hint}"
+                f"{exc}{hint}"
             )
             raise Problem.UNREADABLE.refusal(message, exc) from exc
     return batches

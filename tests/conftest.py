@@ -7,7 +7,7 @@ file that mixes tiers); collection fails otherwise, so a new test cannot slip in
   kernel, the re-split planner, the patch tool offline, the agreement record). ``pytest -m unit``
   runs in under a minute: run it before every commit.
 * ``oracle``: the rank pool and the gradient oracle over the layout matrix.
-* ``e2e``: whole programs (examples, README commands, Megatron Bridge, Megatron-LM's
+* ``e2e``: whole programs (examples, the pages' commands, Megatron Bridge, Megatron-LM's
   ``pretrain_gpt.py``, Megatron-Core's own schedule tests).
 """
 
@@ -22,7 +22,7 @@ from megatron_lossfix.audit.pool import DistPool
 TIERS = {
     "unit": "no process group, no Megatron model; `pytest -m unit` runs in under a minute",
     "oracle": "the rank pool and the gradient oracle over the layout matrix",
-    "e2e": "whole programs: examples, README commands, Bridge, Megatron-LM, upstream schedules",
+    "e2e": "whole programs: examples, the pages' commands, Bridge, Megatron-LM, upstream schedules",
 }
 
 

@@ -9,19 +9,20 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.reduction import ALIASES, MODES
 
 pytestmark = pytest.mark.unit
 
 FROZEN = {
     # flag: (dest, default, choices, nargs-or-type)
-    "--loss-reduction": ("loss_reduction", None, MODES, "str"),
+    "--loss-reduction": ("loss_reduction", None, (*MODES, "prompt_mean"), "str"),
     "--loss-norm-constant": ("loss_norm_constant", None, None, "float"),
     "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
     "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
     "--lossfix-mask-in-loss": ("lossfix_mask_in_loss", False, None, "store_true"),
     "--lossfix-counting-pass": ("lossfix_counting_pass", False, None, "store_true"),
-    "--lossfix-self-check": ("lossfix_self_check", False, None, "store_true"),
+    # None: on with --loss-reduction (the first step is checked), --no-lossfix-self-check: off.
+    "--lossfix-self-check": ("lossfix_self_check", None, None, "[no-]flag"),
     # A finite number > 0, checked by the parser so that its error names the flag.
     "--lossfix-self-check-tolerance": (
         "lossfix_self_check_tolerance",
@@ -42,6 +43,8 @@ def _group_actions(**kwargs) -> list[argparse.Action]:
 def _kind(action: argparse.Action) -> str:
     if isinstance(action, argparse._StoreTrueAction):
         return "store_true"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "[no-]flag"
     return getattr(action.type, "__name__", "str") if action.type else "str"
 
 
@@ -76,6 +79,14 @@ def test_each_mode_round_trips(mode):
     config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
     assert isinstance(config, LossFixConfig) and config.reduction == mode
     assert config.norm_constant == (512 if mode == "seq_mean_token_sum_norm" else None)
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_an_alias_gives_the_config_of_its_mode(alias):
+    config = from_args(
+        add_lossfix_args(argparse.ArgumentParser()).parse_args(["--loss-reduction", alias])
+    )
+    assert config.reduction == ALIASES[alias] == LossFixConfig(reduction=alias).reduction
 
 
 def test_debug_flags_reach_the_config():
@@ -115,7 +126,11 @@ def test_schedule_from_args_takes_the_mode_and_the_self_check():
     checked = _schedule([*flags, "--lossfix-self-check-tolerance", "0.01"])
     assert isinstance(checked, LossFixSchedule) and checked.config.reduction == "sum"
     assert isinstance(checked.self_check, SelfCheck) and checked.self_check.tolerance == 0.01
-    assert plain.self_check is None
+    assert isinstance(plain.self_check, SelfCheck) and not plain.self_check.explicit  # default
+    assert checked.self_check.explicit
+    opted_out = _schedule(["--loss-reduction", "sum", "--no-lossfix-self-check"])
+    assert opted_out.config.self_check is False and opted_out.self_check is None
+    assert _schedule([]).self_check is None  # off: stock, nothing to check
     with pytest.raises(ValueError, match="needs --loss-reduction"):
         _schedule(["--lossfix-self-check"])
     with pytest.raises(ValueError, match="--loss-norm-constant"):

@@ -1,6 +1,6 @@
 """The ``audit`` command: layout names, a passing run, a run with a broken loss that must fail,
-and the ``python -m megatron_lossfix`` entry point's help (run end to end by the README's audit
-command in ``tests/test_readme.py``)."""
+and the ``python -m megatron_lossfix`` entry point's help (run end to end by the audit command
+of the README and the docs pages in ``tests/test_readme.py``)."""
 
 from __future__ import annotations
 

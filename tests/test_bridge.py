@@ -115,6 +115,11 @@ def _assert_agree(ref: list[dict], got: list[dict]) -> tuple[float, float]:
     return tuple(max(_rel(g[k], r[k]) for r, g in pairs) for k in ("loss", "grad_norm"))
 
 
+def _norms(records: list[dict]) -> str:
+    """The grad norms of a run's iterations, as the docs quote them."""
+    return ", ".join(f"{r['grad_norm']:.4f}" for r in records)
+
+
 def _env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
@@ -186,21 +191,25 @@ def _lora_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.e2e
 @needs_bridge
 @pytest.mark.parametrize("layout, reduction", CHECKED)
-def test_bridge_layouts_agree(layout, reduction, tmp_path_factory):
+def test_bridge_layouts_agree(layout, reduction, tmp_path_factory, report_figure):
     """Same loss, grad norm and token count on 2 ranks as on 1, at both iterations (the second
     after an optimizer step taken from the first step's gradient)."""
     (ref, _), (got, _) = _runs(tmp_path_factory, ("1rank", reduction), (layout, reduction))
-    _assert_agree(ref, got)
+    loss, norm = _assert_agree(ref, got)
     for r, g in zip(ref, got, strict=True):
         assert g["num_sequences"] == r["num_sequences"]
+    report_figure(
+        f"Bridge {layout} {reduction}: max rel diff loss {loss:.1e}, grad norm {norm:.1e}"
+    )
 
 
 @pytest.mark.e2e
 @needs_bridge
-def test_stock_bridge_differs(tmp_path_factory):
+def test_stock_bridge_differs(tmp_path_factory, report_figure):
     """Without the plugin, Bridge's gradient depends on how the step is cut into micro-batches:
     the same check that passes above fails (the test can fail), and stock differs from L."""
     (ref, _), (got, _) = _runs(tmp_path_factory, ("1rank", "off"), ("dp2", "off"))
+    report_figure(f"stock Bridge, grad norm DP2 vs 1 rank: {_norms(got)} vs {_norms(ref)}")
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
     exact, _ = _run("1rank", "token_mean", tmp_path_factory)
     assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3
@@ -270,9 +279,10 @@ def test_bridge_lora_on_the_seeded_base(tmp_path_factory, report_figure):
 
 @pytest.mark.e2e
 @needs_bridge
-def test_bridge_lora_stock_differs(tmp_path_factory):
+def test_bridge_lora_stock_differs(tmp_path_factory, report_figure):
     """Stock Bridge's LoRA gradient changes with the micro-batch split; the plugin's does not."""
     (ref, log), (got, _) = _runs(tmp_path_factory, ("lora-1rank", "off"), ("lora-dp2", "off"))
+    report_figure(f"stock Bridge LoRA, grad norm DP2 vs 1 rank: {_norms(got)} vs {_norms(ref)}")
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
     exact, _ = _run("lora-1rank", "token_mean", tmp_path_factory)
     assert _rel(exact[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3
@@ -283,13 +293,14 @@ def test_bridge_lora_stock_differs(tmp_path_factory):
 @pytest.mark.e2e
 @needs_bridge
 @pytest.mark.parametrize("layout", ["moe-ep2", "moe-dp2-m4"])
-def test_bridge_moe_layouts_agree(layout, tmp_path_factory):
+def test_bridge_moe_layouts_agree(layout, tmp_path_factory, report_figure):
     """MoE, aux-loss coefficient 0: EP2 and a DP/micro-batch split agree with 1 rank (loss and
     the grad norm over every expert), where stock Bridge does not."""
     (ref, _), (got, _) = _runs(
         tmp_path_factory, ("moe-1rank", "token_mean"), (layout, "token_mean")
     )
-    _assert_agree(ref, got)
+    loss, norm = _assert_agree(ref, got)
+    report_figure(f"Bridge MoE {layout}: max rel diff loss {loss:.1e}, grad norm {norm:.1e}")
 
 
 @pytest.mark.e2e
@@ -317,8 +328,9 @@ def test_the_plugins_own_loop_and_audit_run_beside_bridge(tmp_path):
 
 @pytest.mark.e2e
 @needs_bridge
-def test_bridge_moe_stock_differs(tmp_path_factory):
+def test_bridge_moe_stock_differs(tmp_path_factory, report_figure):
     (ref, _), (got, _) = _runs(tmp_path_factory, ("moe-1rank", "off"), ("moe-ep2", "off"))
+    report_figure(f"stock Bridge MoE, grad norm EP2 vs 1 rank: {_norms(got)} vs {_norms(ref)}")
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) > 1e-3, (ref[0], got[0])
 
 

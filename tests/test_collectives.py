@@ -1,5 +1,6 @@
 """Collectives of one training step: ``off`` adds none; a plugin mode adds two small all-reduces
-over DP x CP on the loss stage and, with pipeline parallelism, two over the pipeline group.
+over DP x CP on the loss stage (``group_mean`` three) and, with pipeline parallelism, two over
+the pipeline group.
 
 Inside the pool's worker ranks every ``torch.distributed`` collective and point-to-point entry
 point (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``) is wrapped by a
@@ -11,16 +12,17 @@ and for every mode through ``LossFixSchedule``.
 ``schedule.step_metrics()`` is not part of the step and is not counted.
 
 Expected: ``off`` makes exactly stock Megatron's calls, no more (it is stock, passed through).
-Every plugin mode adds, on the loss (last pipeline) stage of a data-parallel run, one
-all-reduce over the DP x CP group before the step: the token counts and the step's cross-rank
-checks (same reduction everywhere, nothing refused) in one vector. With pipeline parallelism
-every stage adds one more small all-reduce, over the pipeline group, that hands the verdict to
-the stages that hold no loss (so that a refusal on the loss stage stops them too instead of
-leaving them in Megatron's point-to-point). After the step the same two (DP x CP on the loss
-stage, the pipeline group with PP) carry the verdict on errors met inside Megatron's schedule
-(a loss function that raised): one small vector each. DP=1 without pipelining adds nothing.
-And the counts do not depend on the data: a step where a DP rank holds no loss token at all
-does exactly the same collectives.
+Every plugin mode adds, on the loss (last pipeline) stage of a data-parallel run, one all-reduce
+over the DP x CP group before the step: the token counts and the step's cross-rank checks (same
+reduction everywhere, nothing refused) in one vector; ``group_mean`` one more, after the
+verdict, of the per-group token counts (a vector of the step's group count). With pipeline
+parallelism every stage adds one more small all-reduce, over the pipeline group, that hands the
+verdict to the stages that hold no loss (so that a refusal on the loss stage stops them too
+instead of leaving them in Megatron's point-to-point). After the step the same two (DP x CP on
+the loss stage, the pipeline group with PP) carry the verdict on errors met inside Megatron's
+schedule (a loss function that raised): one small vector each. DP=1 without pipelining adds
+nothing. And the counts do not depend on the data: a step where a DP rank holds no loss token at
+all does exactly the same collectives.
 
 Masks decided in the loss (``mask_in_loss``, docs/design.md §10) add nothing on the default
 path: the kept counts ride in the agreement after the schedule. With context parallelism the
@@ -50,6 +52,7 @@ import torch
 
 from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
+from megatron_lossfix.audit.oracle_case import id_ranges
 from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
@@ -231,6 +234,7 @@ def _microbatches(batch: dict, dp_rank: int, per_rank: int) -> list[dict]:
     start = dp_rank * per_rank
     return [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
+        | id_ranges(CASE)
         for k in range(NUM_MICROBATCHES)
     ]
 
@@ -302,7 +306,9 @@ def _step_counts(
         else:
             fields = KEPT_VARIANTS.get(variant, {"reduction": variant})
             norm = 16.0 if fields["reduction"] == "seq_mean_token_sum_norm" else None
-            func = LossFixSchedule(LossFixConfig(**fields, norm_constant=norm), schedule)
+            # The step's own collectives, not the first step's check.
+            config = LossFixConfig(**fields, norm_constant=norm, self_check=False)
+            func = LossFixSchedule(config, schedule)
             forward_step = _plugin_forward_step
         train_step(
             func,
@@ -359,15 +365,15 @@ def _extra(plugin: Counts, stock: Counts) -> Counts:
 def _expected_extra(mode: str, info: dict[str, Any]) -> Counts:
     """``off``: nothing. A plugin mode: two all-reduces over DP x CP on loss-stage ranks of a
     data-parallel run (counts and checks before the step, the loss stage's verdict after it),
-    two over the pipeline group on every rank with PP. Masks decided in the loss: see the
-    module docstring."""
+    and ``group_mean`` a third, the per-group token counts; two over the pipeline group on
+    every rank with PP. Masks decided in the loss: see the module docstring."""
     if mode == "off":
         return {}
     agreements = 3 if mode.endswith("+counting") else 2
     extra: collections.Counter = collections.Counter()
     cp = "," in info["cp_ranks"]
     if info["loss_stage"] and ("," in info["dp_cp_ranks"]):
-        extra[f"all_reduce@{info['dp_cp_ranks']}"] = agreements
+        extra[f"all_reduce@{info['dp_cp_ranks']}"] = agreements + (mode == "group_mean")
     if "," in info["pp_ranks"]:
         extra[f"all_reduce@{info['pp_ranks']}"] = agreements
     if mode in KEPT_VARIANTS and cp and info["loss_stage"]:

@@ -218,9 +218,9 @@ def _batch(iteration, gbs=6, seed=1234, records=RECORDS):
 
 def test_global_batch_shapes_and_determinism():
     batch = _batch(3)
-    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
-    for t in batch.values():
-        assert t.shape == (6, 16)
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids", "group_ids"}
+    for key, t in batch.items():
+        assert t.shape == ((6,) if key == "group_ids" else (6, 16))
     again = _batch(3)
     assert all(torch.equal(batch[k], again[k]) for k in batch)
     assert not torch.equal(batch["tokens"], _batch(4)["tokens"])
@@ -262,6 +262,23 @@ def test_splits_reassemble_the_global_batch(dp_size, micro_batch_size):
         assert torch.equal(torch.cat([mb[key] for mb in parts]), batch[key])
 
 
+def test_samples_of_one_prompt_share_a_group():
+    """Samples of the same prompt share a group id, each text sample's record is a group of its
+    own (ids numbered in order of appearance); every micro-batch carries the step's group
+    count."""
+    records = [{"prompt": "same", "response": "a"}, {"prompt": "same", "response": "bb"},
+               {"prompt": "other", "response": "c"}, {"text": "t1"}, {"text": "t2"}]  # fmt: skip
+    encoded = [encode_record(r, TOK, 16)["tokens"].tolist() for r in records]
+    batch = _batch(0, gbs=10, records=records)
+    rows = [encoded.index(t) for t in batch["tokens"].tolist()]
+    keys = [records[i].get("prompt", f"record {i}") for i in rows]
+    ids = batch["group_ids"].tolist()
+    assert ids[0] == 0 and sorted(set(ids)) == list(range(len(set(keys))))
+    assert all((ids[a] == ids[b]) == (keys[a] == keys[b]) for a in range(10) for b in range(10))
+    mbs = microbatches(batch, dp_rank=1, dp_size=2, micro_batch_size=5)
+    assert mbs[0]["num_groups"] == len(set(keys)) == 4
+
+
 def test_rank_slices_are_contiguous():
     batch = _batch(0, gbs=8)
     (rank1,) = microbatches(batch, dp_rank=1, dp_size=2, micro_batch_size=4)
@@ -287,14 +304,14 @@ def test_microbatches_errors():
         microbatches(batch, dp_rank=0, dp_size=0, micro_batch_size=1)
     with pytest.raises(ValueError, match="micro_batch_size"):
         microbatches(batch, dp_rank=0, dp_size=1, micro_batch_size=0)
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="share one batch dimension"):
         microbatches(
             {"tokens": torch.zeros(4, 2), "labels": torch.zeros(2, 2)},
             dp_rank=0,
             dp_size=1,
             micro_batch_size=1,
         )
-    with pytest.raises(ValueError, match="no tensors"):
+    with pytest.raises(ValueError, match="share one batch dimension"):
         microbatches({}, dp_rank=0, dp_size=1, micro_batch_size=1)
 
 

@@ -40,7 +40,7 @@ def run_example(script: str, nproc: int, out: Path, *args: str) -> list[dict]:
 def run_examples(*runs: tuple[str, int, Path, Sequence[str]]) -> list[list[dict]]:
     """Launch each ``(script, nproc, out, args)`` as :func:`run_example` does, side by side
     where the cores allow, and return their records in order. The ranks fork from a process
-    that imported :data:`PRELOAD` once (:mod:`helpers.launch`); the README's commands and
+    that imported :data:`PRELOAD` once (:mod:`helpers.launch`); the pages' commands and
     ``test_torchrun_mistake_prints_one_line_for_all_ranks`` launch with torchrun itself."""
     launches = [
         Launch(script=ROOT / "examples" / script, args=["--metrics-out", str(out), *args],

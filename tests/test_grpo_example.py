@@ -46,6 +46,28 @@ def rollouts(tmp_path_factory) -> Path:
     return write_rollouts(tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl")
 
 
+def write_grouped_rollouts(path: Path, seed: int = 1) -> Path:
+    """GRPO-style rollouts: prompts with 5, 3, 4, 6, 2 and 4 responses, written consecutively
+    (each prompt's responses are its group), response lengths 1 to 24."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for size in (5, 3, 4, 6, 2, 4):
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 8))]
+            for _ in range(size):
+                response = [rng.randrange(258) for _ in range(rng.randint(1, 24))]
+                old = [UNIFORM_LOGP + rng.gauss(0, 0.6) for _ in response]
+                advantage = round(rng.gauss(0.0, 1.0), 4)
+                record = {"prompt_ids": prompt, "response_ids": response,
+                          "advantage": advantage, "old_logprobs": old}  # fmt: skip
+                f.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def grouped_rollouts(tmp_path_factory) -> Path:
+    return write_grouped_rollouts(tmp_path_factory.mktemp("rollouts") / "grouped.jsonl")
+
+
 def common(rollouts: Path) -> list[str]:
     return ["--rollouts", str(rollouts), "--train-iters", "3", "--global-batch-size", "12",
             "--seq-length", "32", "--hidden-size", "32", "--num-layers", "2"]  # fmt: skip
@@ -111,6 +133,26 @@ def test_ppo_rollouts_stock_megatron_disagrees(runs, rollouts):
     assert max(loss_diff, norm_diff) > 1e-3, f"stock Megatron agreed: {loss_diff}, {norm_diff}"
 
 
+@pytest.mark.e2e
+def test_group_mean_rollouts_layouts_agree(runs, grouped_rollouts):
+    """group_mean over the rollouts' prompt groups (which straddle the 2 ranks' slices and
+    their micro-batches) against one rank with one micro-batch; token_mean weighs the same
+    steps differently (the check can fail)."""
+    group = [*common(grouped_rollouts), *PPO, "--loss-reduction", "group_mean"]
+    one, two, token = runs.get(
+        (1, [*group, "--micro-batch-size", "12"]),
+        (2, [*group, "--micro-batch-size", "2"]),
+        (1, [*common(grouped_rollouts), *PPO, "--micro-batch-size", "12"]),
+    )
+    loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
+    assert loss_diff <= TOL and norm_diff <= TOL, (loss_diff, norm_diff, one, two)
+    assert_rl_stats_agree(one, two)
+    # 24 records of 6 prompts, 12 a step: the first step holds 3 groups (5 + 3 + 4), the second
+    # 3 (6 + 2 + 4), the third the first again.
+    assert [r["num_groups"] for r in one] == [3, 3, 3], one
+    assert max_rel_diff(one, token, "grad_norm") > 1e-3
+
+
 # GSPO with every regularizer, sequence-level weights; attention-free so that CP2 is exact on CPU.
 GSPO = ["--policy-loss", "gspo", "--kl-coef", "0.1", "--kl-estimator", "k3",
         "--entropy-coef", "0.01", "--loss-reduction", "sequence_mean", "--no-attention",
@@ -164,6 +206,19 @@ def test_sampling_mode_runs_and_is_layout_free(runs):
     assert max_rel_diff(one, two, "grad_norm") <= TOL
     # On-policy, equal-length groups: the loss can be ~0, so compare it absolutely.
     assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(one, two, strict=True))
+
+
+@pytest.mark.e2e
+def test_sampling_mode_group_mean_is_layout_free(runs):
+    """group_mean over the sampler's prompt groups (4 responses of a prompt, straddling the 2
+    ranks' slices of 6) against one rank: the same steps; token_mean weighs them differently
+    once response lengths differ (from the second step), so the check can fail."""
+    group = [*SAMPLING, "--loss-reduction", "group_mean"]
+    two, one, token = runs.get((2, group), (1, group), (1, SAMPLING))
+    assert [r["num_groups"] for r in two] == [3, 3, 3], two
+    assert max_rel_diff(one, two, "grad_norm") <= TOL
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-6 for a, b in zip(one, two, strict=True))
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, token, strict=True)) > 1e-4
 
 
 # ------------------------------------------------------------------ in-process: rollout files

@@ -43,10 +43,10 @@ LAYER_NAMES = ("runtime", "integrations", "rl", "package API", "audit", "entry p
 SUBPACKAGES: dict[str, int] = {"integrations": INTEGRATIONS, "rl": RL, "audit": AUDIT}
 ENTRY_POINTS = (f"{PACKAGE}.__main__", f"{PACKAGE}.patches")
 
-#: Runtime modules that stay plain PyTorch (the process groups, the weights, the losses and the
-#: step's agreement): no Megatron import, lazy or not. Names not present are ignored; at least
-#: one must be.
-PURE = ("groups", "reduction", "losses", "agreement", "kept")
+#: Runtime modules that stay plain PyTorch (the process groups, the group ids, the weights, the
+#: losses and the step's agreement): no Megatron import, lazy or not. Names not present are
+#: ignored; at least one must be.
+PURE = ("groups", "group_ids", "reduction", "losses", "agreement", "kept")
 
 
 def _module_name(path: Path) -> str:

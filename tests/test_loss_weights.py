@@ -28,7 +28,19 @@ def test_reductions_are_the_contract():
         "seq_mean_token_sum_norm",
         "sum",
         "token_mean_legacy",
+        "group_mean",
     )
+
+
+def _kwargs(mode: str, masks: list, norm_constant: float = 3.0) -> dict:
+    """What ``mode`` needs beside the masks: the constant, or group ids (row r of every
+    micro-batch in group r % 2)."""
+    if mode == "seq_mean_token_sum_norm":
+        return {"norm_constant": norm_constant}
+    if mode == "group_mean":
+        ids = [torch.arange(m.shape[0]) % 2 for m in masks]
+        return {"group_ids": ids, "num_groups": 2}
+    return {}
 
 
 @pytest.mark.parametrize(
@@ -64,7 +76,7 @@ def test_skyrl_925_example_token_mean_vs_legacy():
 
 @pytest.mark.parametrize("mode", REDUCTIONS)
 def test_bool_int_and_float_masks_agree(mode):
-    kwargs = {"norm_constant": 3.0} if mode == "seq_mean_token_sum_norm" else {}
+    kwargs = _kwargs(mode, [MB0, MB1])
     ref = loss_weights([MB0, MB1], mode, **kwargs)
     for dtype in (torch.bool, torch.int64, torch.float64, torch.bfloat16):
         got = loss_weights([MB0.to(dtype), MB1.to(dtype)], mode, **kwargs)
@@ -75,9 +87,8 @@ def test_bool_int_and_float_masks_agree(mode):
 
 @pytest.mark.parametrize("mode", REDUCTIONS)
 def test_zero_token_microbatch_contributes_nothing(mode):
-    kwargs = {"norm_constant": 2.0} if mode == "seq_mean_token_sum_norm" else {}
     empty = torch.zeros(2, 3)
-    w_with = loss_weights([MB0, empty, MB1], mode, **kwargs)
+    w_with = loss_weights([MB0, empty, MB1], mode, **_kwargs(mode, [MB0, empty, MB1], 2.0))
     assert torch.equal(w_with[1], torch.zeros(2, 3))
     assert all(torch.isfinite(w).all() for w in w_with)
     if mode == "token_mean_legacy":
@@ -85,15 +96,15 @@ def test_zero_token_microbatch_contributes_nothing(mode):
         torch.testing.assert_close(w_with[0][0, 0], torch.tensor(1 / 6))
         torch.testing.assert_close(w_with[2][1, 0], torch.tensor(1 / 12))
     else:
-        w_without = loss_weights([MB0, MB1], mode, **kwargs)
+        w_without = loss_weights([MB0, MB1], mode, **_kwargs(mode, [MB0, MB1], 2.0))
         torch.testing.assert_close(w_with[0], w_without[0], rtol=0, atol=0)
         torch.testing.assert_close(w_with[2], w_without[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", REDUCTIONS)
 def test_all_zero_minibatch_gives_zero_weights_and_no_nan(mode):
-    kwargs = {"norm_constant": 2.0} if mode == "seq_mean_token_sum_norm" else {}
-    weights = loss_weights([torch.zeros(2, 5), torch.zeros(1, 5, dtype=torch.bool)], mode, **kwargs)
+    masks = [torch.zeros(2, 5), torch.zeros(1, 5, dtype=torch.bool)]
+    weights = loss_weights(masks, mode, **_kwargs(mode, masks, 2.0))
     for w in weights:
         assert torch.equal(w, torch.zeros_like(w))
 

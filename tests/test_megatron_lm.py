@@ -182,7 +182,7 @@ def test_unpatched_loss_function_is_refused_clearly() -> None:
 
 
 # ------------------------------------------------------------ the patched pretrain_gpt.py, for real
-#: Megatron-LM tags to train with (each needs Megatron-LM's training extras, see the README).
+#: Megatron-LM tags to train with (each needs Megatron-LM's training extras: docs/megatron_lm.md).
 ARCHIVES = archives_folder()
 TAGS = tags_to_test(ARCHIVES) if ARCHIVES else []
 needs_megatron_lm = pytest.mark.skipif(
@@ -426,8 +426,8 @@ VALIDATION_RUNS = (
 def test_validation_loss_is_layout_invariant(lm_runs: _Runs, checkout: str, report_figure):
     """Megatron-LM's evaluate() with --loss-reduction sequence_mean is routed through the
     plugin: the same value under micro-batch 1, 4 and DP2, and the sequence mean, not the token
-    mean that stock evaluate() pools from [loss, tokens] (measured for every mode in the
-    README)."""
+    mean that stock evaluate() pools from [loss, tokens] (measured for every mode in
+    docs/megatron_lm.md)."""
     from helpers.megatron_lm_run import run_pretrain_gpts
 
     launches = [_validation_launch(lm_runs, checkout, run[1], run[0]) for run in VALIDATION_RUNS]

@@ -58,6 +58,7 @@ def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
     assert megatron_lm_rl.check_args(_args()) is None  # no flag: stock train_rl.py
     config = megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
     assert config.reduction == "sequence_mean"
+    assert config.self_check is False  # the default first-step check: skipped here, silently
     refused = {
         "--context-parallel-size": _args("--loss-reduction", "token_mean",
                                          context_parallel_size=2),
@@ -68,6 +69,7 @@ def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
         # A mode the RL loop does not carry the data for (the group modes, until they are
         # wired through rl_micro_batch): refused by name, before the config is even built.
         "--loss-reduction prompt_mean": _args(loss_reduction="prompt_mean"),
+        "--loss-reduction group_mean": _args("--loss-reduction", "group_mean"),
         "--hybrid-context-parallel": _args("--loss-reduction", "sum",
                                            hybrid_context_parallel=True),
     }  # fmt: skip

@@ -1,4 +1,4 @@
-"""End-to-end: ``examples/own_loop.py``, the README's own-loop recipe as a script, its refusal
+"""End-to-end: ``examples/own_loop.py``, the own-loop recipe as a script, its refusal
 under torchrun (its agreement run forks its ranks as torchrun would start them: ``helpers.launch``).
 
 One rank and DP2 must agree step by step; DP2 without ``finalize_model_grads_func`` (the

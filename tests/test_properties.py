@@ -11,7 +11,9 @@ sequence (plus some extra padding, which must get weight 0).
 Checked: the weights sum to each mode's definition, the reduced loss ``sum(w * l)`` over all
 simulated ranks does not depend on the split for the invariant modes, ``token_mean_legacy``
 equals its mean-of-micro-batch-means formula, and the public ``loss_weights`` agrees with the
-simulated path.
+simulated path. Every sequence also carries a key (``Step.keys``: its prompt group, or its
+trajectory for the sequence modes), whose per-key counts are summed over the simulated ranks
+like N and S; keys without a loss token (absent, or all masked) must not count.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_lossfix import REDUCTIONS, loss_weights
+from megatron_lossfix.group_ids import GroupIds, ids_for_mode
 from megatron_lossfix.reduction import count_tokens, weights_from_counts
 
 pytestmark = pytest.mark.unit
 
-INVARIANT_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum")
+INVARIANT_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "group_mean")
+#: The modes that weight by key, and (for the sequence modes) whether keys are given.
+KEYED = (("group_mean", True), ("sequence_mean", True), ("seq_mean_token_sum_norm", True))
 NORM_CONSTANT = 7.0
 # float32 weights, float64 sums: splits differ only in rounding of the float32 weights.
 RTOL = 1e-6
@@ -45,6 +50,9 @@ class Step:
 
     masks: tuple[tuple[int, ...], ...]
     losses: tuple[tuple[float, ...], ...]
+    keys: tuple[int, ...] = ()
+    """Each sequence's key (prompt group or trajectory), in ``[0, num_keys)``, any order."""
+    num_keys: int = 1
 
 
 Split = tuple[tuple[int, ...], ...]
@@ -54,6 +62,9 @@ Split = tuple[tuple[int, ...], ...]
 @st.composite
 def steps(draw: st.DrawFn) -> Step:
     num_seqs = draw(st.integers(1, 10))
+    # Some keys get no sequence, some only empty ones: neither may count.
+    num_keys = draw(st.integers(1, 5))
+    keys = tuple(draw(st.lists(st.integers(0, num_keys - 1), min_size=num_seqs, max_size=num_seqs)))
     masks, losses = [], []
     for _ in range(num_seqs):
         length = draw(st.integers(1, 8))
@@ -77,7 +88,7 @@ def steps(draw: st.DrawFn) -> Step:
                 )
             )
         )
-    return Step(tuple(masks), tuple(losses))
+    return Step(tuple(masks), tuple(losses), keys, num_keys)
 
 
 def _cuts(draw: st.DrawFn, total: int, parts: int) -> tuple[int, ...]:
@@ -136,17 +147,42 @@ def _layout(step: Step, split: Split, pad: int) -> list[list[tuple[torch.Tensor,
     return ranks
 
 
+def _key_layout(step: Step, split: Split) -> list[list[torch.Tensor]]:
+    """Per simulated rank, each micro-batch's sequence keys, like :func:`_layout`."""
+    keys = torch.tensor(step.keys, dtype=torch.long)
+    out, first = [], 0
+    for sizes in split:
+        bounds = [first + sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        out.append([keys[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+        first += sum(sizes)
+    return out
+
+
 def _simulated_weights(
-    ranks: list[list[tuple[torch.Tensor, torch.Tensor]]], mode: str
+    ranks: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    mode: str,
+    keys: tuple[list[list[torch.Tensor]], int] | None = None,
 ) -> list[list[torch.Tensor]]:
-    """Weights per rank and micro-batch, with N and S summed over the simulated DP ranks."""
-    counts = [count_tokens([m for m, _ in mbs], global_counts=False) for mbs in ranks]
+    """Weights per rank and micro-batch, with N and S (and, with ``keys`` = (per-rank ids, their
+    range), each key's tokens) summed over the simulated DP ranks."""
+    rank_keys = [None] * len(ranks)
+    if keys is not None and ids_for_mode(mode) is not None:
+        rank_keys = [GroupIds(ids=ids, count=keys[1]) for ids in keys[0]]
+    counts = [
+        count_tokens([m for m, _ in mbs], global_counts=False, groups=k)
+        for mbs, k in zip(ranks, rank_keys, strict=True)
+    ]
     num_tokens = sum(c.num_tokens for c in counts)
     num_sequences = sum(c.num_sequences for c in counts)
+    per_key = None if rank_keys[0] is None else sum(c.group_tokens for c in counts)
     out = []
     for mbs, c in zip(ranks, counts, strict=True):
         c = dataclasses.replace(
-            c, num_tokens=num_tokens, num_sequences=num_sequences, dp_size=len(ranks)
+            c,
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+            dp_size=len(ranks),
+            group_tokens=per_key,
         )
         out.append(weights_from_counts([m for m, _ in mbs], c, mode, norm_constant=NORM_CONSTANT))
     return out
@@ -181,7 +217,9 @@ def _totals(step: Step) -> tuple[int, int]:
 def test_weights_sum_to_the_modes_definition(case: tuple, mode: str) -> None:
     step, (split,), (pad,) = case
     ranks = _layout(step, split, pad)
-    weights = _simulated_weights(ranks, mode)
+    # Rows are the sequences here: keys only where the mode needs them.
+    keys = (_key_layout(step, split), step.num_keys) if mode == "group_mean" else None
+    weights = _simulated_weights(ranks, mode, keys)
     n, s = _totals(step)
     d = len(ranks)
     total = 0.0
@@ -207,32 +245,73 @@ def test_weights_sum_to_the_modes_definition(case: tuple, mode: str) -> None:
         "sequence_mean": 1.0 if s else 0.0,
         "seq_mean_token_sum_norm": n / (max(s, 1) * NORM_CONSTANT),
         "sum": float(n),
+        "group_mean": 1.0 if n else 0.0,
     }
     if mode in expected_total:
         assert math.isclose(total, expected_total[mode], rel_tol=1e-6, abs_tol=0.0)
 
 
+def _key_totals(step: Step) -> tuple[dict[int, int], int]:
+    """Loss tokens per key, and the number of keys that have any."""
+    n_key: dict[int, int] = {}
+    for mask, key in zip(step.masks, step.keys, strict=True):
+        n_key[key] = n_key.get(key, 0) + sum(mask)
+    return n_key, sum(1 for v in n_key.values() if v)
+
+
 @PROPERTY
-@given(step_and_splits(count=2), st.sampled_from(INVARIANT_MODES))
+@given(step_and_splits(count=1), st.sampled_from(KEYED))
+def test_every_key_with_a_loss_token_weighs_the_same(case: tuple, keyed: tuple) -> None:
+    """group_mean (and the sequence modes over trajectories): the weights of each key's tokens,
+    over every simulated rank and micro-batch, sum to 1/K (K: keys with a loss token) under
+    group_mean and sequence_mean, and to n_g/(K*C) under seq_mean_token_sum_norm."""
+    mode, _ = keyed
+    step, (split,), (pad,) = case
+    ranks, ids = _layout(step, split, pad), _key_layout(step, split)
+    weights = _simulated_weights(ranks, mode, (ids, step.num_keys))
+    per_key: dict[int, float] = {}
+    for ws, rank_ids in zip(weights, ids, strict=True):
+        for w, key_ids in zip(ws, rank_ids, strict=True):
+            for row, key in zip(w.double().sum(dim=1).tolist(), key_ids.tolist(), strict=True):
+                per_key[key] = per_key.get(key, 0.0) + row
+    n_key, num = _key_totals(step)
+    for key, total in per_key.items():
+        if mode == "seq_mean_token_sum_norm":
+            want = n_key[key] / (max(num, 1) * NORM_CONSTANT)
+        else:
+            want = 1.0 / num if n_key[key] else 0.0
+        assert math.isclose(total, want, rel_tol=1e-6, abs_tol=1e-12), (key, total, want)
+
+
+@PROPERTY
+@given(step_and_splits(count=2), st.sampled_from(INVARIANT_MODES + ("trajectory_mean",)))
 def test_reduced_loss_is_invariant_to_the_split(case: tuple, mode: str) -> None:
     step, (split_a, split_b), (pad_a, pad_b) = case
+    # "trajectory_mean": sequence_mean with the keys as trajectory ids.
+    plugin_mode = "sequence_mean" if mode == "trajectory_mean" else mode
     results, tol = [], 1e-12
     for split, pad in ((split_a, pad_a), (split_b, pad_b)):
         ranks = _layout(step, split, pad)
-        weights = _simulated_weights(ranks, mode)
+        keys = (_key_layout(step, split), step.num_keys)
+        keyed = mode in ("group_mean", "trajectory_mean")
+        weights = _simulated_weights(ranks, plugin_mode, keys if keyed else None)
         results.append(_reduced_loss(ranks, weights))
         tol = max(tol, RTOL * _magnitude(ranks, weights))
     # And the definition itself, straight from the sequences (docs/design.md §2 table).
     n, s = _totals(step)
+    n_key, num_keys = _key_totals(step)
     direct = 0.0
-    for mask, losses in zip(step.masks, step.losses, strict=True):
+    for mask, losses, key in zip(step.masks, step.losses, step.keys, strict=True):
         n_s = sum(mask)
         seq_sum = sum(x for b, x in zip(mask, losses, strict=True) if b)
+        group = seq_sum / (max(num_keys, 1) * max(n_key[key], 1))
         direct += {
             "token_mean": seq_sum / max(n, 1),
             "sequence_mean": seq_sum / (max(s, 1) * max(n_s, 1)),
             "seq_mean_token_sum_norm": seq_sum / (max(s, 1) * NORM_CONSTANT),
             "sum": seq_sum,
+            "group_mean": group,
+            "trajectory_mean": group,
         }[mode]
     for got in results:
         assert abs(got - direct) <= tol, (got, direct, results)
@@ -268,13 +347,19 @@ def test_public_loss_weights_matches_the_simulation(case: tuple, mode: str, as_b
     ranks = _layout(step, split, pad)
     flat = [mb for mbs in ranks for mb in mbs]
     kwargs = {"norm_constant": NORM_CONSTANT} if mode == "seq_mean_token_sum_norm" else {}
+    rank_ids = _key_layout(step, split)
+    flat_ids = [ids for mbs in rank_ids for ids in mbs]
+    keys = None
+    if mode == "group_mean":
+        kwargs.update(group_ids=flat_ids, num_groups=step.num_keys)
+        keys = (rank_ids, step.num_keys)
     masks = [m.bool() if as_bool else m for m, _ in flat]
     public = loss_weights(masks, mode, **kwargs)
-    one_rank = _simulated_weights([flat], mode)[0]
+    one_rank = _simulated_weights([flat], mode, None if keys is None else ([flat_ids], keys[1]))[0]
     for got, want in zip(public, one_rank, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     if mode in INVARIANT_MODES:
-        split_weights = _simulated_weights(ranks, mode)
+        split_weights = _simulated_weights(ranks, mode, keys)
         split_loss = _reduced_loss(ranks, split_weights)
         public_loss = _reduced_loss([flat], [public])
         tol = RTOL * _magnitude(ranks, split_weights) + 1e-12

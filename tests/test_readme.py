@@ -1,18 +1,22 @@
-"""The README's commands stay true: checked, briefly run, and their claims read from data.
+"""The commands of the README and of the documentation pages stay true: checked, briefly run,
+and their claims read from data.
+
+The pages are the README and ``docs/*.md``; which of their blocks claim to run is
+:mod:`helpers.doc_pages`'s rule (``text`` blocks are templates, held to having a placeholder).
 
 * CI runs exactly the README's test command.
-* Every shell command in the README's fenced blocks is parsed (unit): each example script and
-  the audit take its flags as written.
+* Every shell command in the pages' fenced blocks is parsed (unit): each example script and
+  the audit take its flags as written; every ``python`` block compiles.
 * Every other command runs, briefly, on a fresh copy of the repository (e2e): training commands
   for ``BRIEF_ITERS`` iterations (``--train-iters`` replaced or added), the audit on
   ``BRIEF_LAYOUTS`` of its layouts. Each exits 0 without a Python traceback, and what they write
   lands in git-ignored folders: the copy's ``git status`` stays clean. Exceptions are listed in
   ``SKIPPED`` with their reason (they need Megatron-LM sources or Megatron Bridge, which other
   tests run; a template; the test command itself) and show up as skipped tests.
-* The README's claims are asserted from what those runs write (metrics JSON, ``audit.json``),
-  not from its prose: the two layouts' metrics agree, the audit table's figures are what the
-  audit measures on the layouts run, the quick start's and the GRPO example's first iteration
-  is what the README states.
+* The pages' claims are asserted from what those runs write (metrics JSON, ``audit.json``),
+  not from their prose: the two layouts' metrics agree, each audit table's figures are what
+  the audit measures on the layouts run, the main job's and the GRPO example's first iteration
+  is what the pages state.
 
 Two substitutions more make "as written" affordable. The installing half of a command
 (``python3 -m venv .venv``, ``.venv/bin/pip install ...``) is not run: the suite already runs
@@ -37,29 +41,32 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT.joinpath("README.md").read_text()
-#: Iterations of every training command the README gives (they state their own, up to 150).
+#: Every page, one after the other: where the stated figures are looked up.
+PAGES = doc_pages.text()
+#: Iterations of every training command the pages give (they state their own, up to 150).
 BRIEF_ITERS = 3
-#: The audit's layouts run here (the README's runs them all; tests/test_invariance.py and
+#: The audit's layouts run here (the pages' command runs them all; tests/test_invariance.py and
 #: tests/test_hard_layouts.py cover every one of them).
 BRIEF_LAYOUTS = ("dp2-m3", "pp2-m4")
 
-#: README commands that are not run here: (part of the command, why).
+#: Commands of the pages that are not run here: (part of the command, why).
 SKIPPED: tuple[tuple[str, str], ...] = (
     (
         ".ci-venv/bin/nox",
         "the test command itself: CI runs it verbatim (test_ci_runs_the_readme_test_command)",
     ),
     (
-        "/path/to/megatron_lossfix",
-        "installs into the reader's own environment; this suite runs in the installed project",
-    ),
-    (
         "/path/to/Megatron-LM",
         "needs Megatron-LM sources: tests/test_patches.py runs these patch commands on each "
         "tag's tree where MEGATRON_LM_ARCHIVES is set",
+    ),
+    (
+        "tests/helpers/megatron_lm_rl.py",
+        "needs Megatron-LM sources: tests/test_megatron_lm_rl.py runs train_rl.py through this "
+        "helper and its plans where MEGATRON_LM_ARCHIVES is set",
     ),
     (
         "-p helpers.upstream_schedules",
@@ -73,8 +80,14 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "that the plugin's examples and audit still run in it)",
     ),
     (
-        '".[verl,skyrl]"',
-        "makes .venv-rl (Python 3.12, torch's CUDA build, verl and SkyRL); CI installs the same "
+        "-m venv .venv-verl",
+        "makes .venv-verl (Python 3.12, torch's CUDA build, verl); CI installs the same "
+        "versions in a layer over its 3.12 world (tests/test_readme_stacks.py checks both "
+        "name the same ones)",
+    ),
+    (
+        "-m venv .venv-skyrl",
+        "makes .venv-skyrl (Python 3.12, torch's CUDA build, SkyRL); CI installs the same "
         "versions in a layer over its 3.12 world (tests/test_readme_stacks.py checks both "
         "name the same ones)",
     ),
@@ -95,37 +108,10 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "needs Megatron-LM's sources: tests/test_readme_megatron_lm.py runs these commands as "
         "printed with the sources from MEGATRON_LM_ARCHIVES",
     ),
-    (
-        "torchrun ... pretrain_gpt.py",
-        "a template (`...`, `<your flags>`) for the patched Megatron-LM, not a command",
-    ),
 )
 
 #: The installing steps of a ``&&`` chain, not run (see the module docstring).
 _INSTALL_STEP = re.compile(r"^(python3? -m venv \S+|\S*/bin/pip install .*)$")
-
-_FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
-
-
-def _blocks() -> list[tuple[str, str]]:
-    """``(language, body)`` of every fenced block."""
-    return _FENCE.findall(README)
-
-
-def _commands() -> list[str]:
-    """The shell commands of the README, in order: every line of ``bash`` blocks; in unlabeled
-    blocks, the ``$ `` lines when there are any (the rest is output), else every line."""
-    out = []
-    for lang, body in _blocks():
-        if lang not in ("", "bash", "sh", "console"):
-            continue
-        lines = [line.rstrip() for line in body.splitlines() if line.strip()]
-        prompts = [line[2:] for line in lines if line.startswith("$ ")]
-        if lang in ("bash", "sh"):
-            out += [line.strip() for line in lines]
-        else:
-            out += [line.strip() for line in (prompts or lines)]
-    return out
 
 
 def _skip_reason(command: str) -> str | None:
@@ -163,14 +149,47 @@ def _id(command: str) -> str:
     return " ".join(words[-3:])[:60]
 
 
-COMMANDS = _commands()
+COMMANDS = doc_pages.commands()
 
 
 @pytest.mark.unit
 def test_ci_runs_the_readme_test_command():
-    test_cmd = next(c for c in COMMANDS if "nox" in c)
+    """The README's test command, and every page's that repeats it, is what ``.ci/run`` runs."""
+    readme = [
+        c
+        for page, lang, body in doc_pages.blocks("", "bash", "sh", "console")
+        if page.name == "README.md"
+        for c in doc_pages.block_commands(lang, body)
+    ]
+    test_cmd = next(c for c in readme if "nox" in c)
     ci_lines = ROOT.joinpath(".ci", "run").read_text().splitlines()
     assert test_cmd in ci_lines, f"README test command not run verbatim by .ci/run: {test_cmd}"
+    for cmd in COMMANDS:
+        if cmd.endswith("/bin/nox"):
+            assert cmd == test_cmd, f"a page prints another test command: {cmd}"
+
+
+@pytest.mark.unit
+def test_text_blocks_are_templates():
+    """A ``text`` block is not run, so each of its lines must hold a placeholder
+    (``<your flags>``, ``...``, ``/path/to/``): a command that runs goes into a ``bash`` block."""
+    blocks = doc_pages.blocks("text")
+    assert blocks, "no text block: the rule checks nothing"
+    for page, lang, body in blocks:
+        for line in doc_pages.block_commands(lang, body):
+            assert doc_pages.PLACEHOLDER.search(line), (
+                f"{page.name}: runnable in a text block: {line}"
+            )
+
+
+@pytest.mark.unit
+def test_python_blocks_compile():
+    """Every ``python`` block of the pages is valid Python (the own-loop recipe also runs:
+    tests/test_readme_recipe.py)."""
+    blocks = doc_pages.blocks("python")
+    assert len(blocks) >= 4, len(blocks)
+    for page, _, body in blocks:
+        compile(body, str(page.name), "exec")
 
 
 def _example(name: str):
@@ -183,11 +202,11 @@ def _example(name: str):
 @pytest.mark.unit
 @pytest.mark.parametrize("script", ["pretrain_gpt", "grpo_gpt", "bridge_pretrain"])
 def test_readme_example_commands_parse(script):
-    """Each README command of an example script, flags as written (the script's own parser
+    """Each command of an example script on the pages, flags as written (the script's own parser
     exits with SystemExit on an unknown or malformed flag)."""
     module = _example(script)
     runs = [c for c in COMMANDS if f"examples/{script}.py" in c]
-    assert runs, f"the README runs examples/{script}.py nowhere"
+    assert runs, f"no page runs examples/{script}.py"
     for cmd in runs:
         tail = cmd.split(f"examples/{script}.py", 1)[1]
         args = module.parse_args(shlex.split(tail))
@@ -219,12 +238,14 @@ def test_brief_runs_change_only_the_length():
 def test_every_skip_names_a_readme_command():
     """A stale entry in SKIPPED would hide nothing but confuse; each must still match."""
     for part, _ in SKIPPED:
-        assert any(part in c for c in COMMANDS), f"SKIPPED entry matches no README command: {part}"
+        assert any(part in c for c in COMMANDS), (
+            f"SKIPPED entry matches no command of the pages: {part}"
+        )
 
 
 @pytest.mark.unit
 def test_readme_commands_write_only_to_ignored_folders():
-    """Outputs named on a README command line go under a folder git ignores (out/)."""
+    """Outputs named on a command line of the pages go under a folder git ignores (out/)."""
     for cmd in COMMANDS:
         for path in re.findall(r"--(?:metrics-out|out)\s+(\S+)", cmd):
             assert path.startswith("out/"), f"{cmd}: writes {path} outside out/"
@@ -256,8 +277,8 @@ def _fresh_copy(dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory) -> dict:
-    """Run every runnable README command once, in README order, in one fresh copy (as a reader
-    would); return ``{"copy": path, "runs": {command: CompletedProcess}}``."""
+    """Run every runnable command of the pages once, in page order, in one fresh copy (as a
+    reader would); return ``{"copy": path, "runs": {command: CompletedProcess}}``."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and a git checkout to make the fresh copy")
     copy = _fresh_copy(tmp_path_factory.mktemp("fresh-clone"))
@@ -299,7 +320,7 @@ def test_readme_commands_leave_the_tree_clean(readme_runs):
         text=True,
         check=True,
     ).stdout
-    assert status == "", f"README commands left files git does not ignore:\n{status}"
+    assert status == "", f"the pages' commands left files git does not ignore:\n{status}"
 
 
 def _run_of(readme_runs, needle: str) -> str:
@@ -317,16 +338,18 @@ def _metrics(readme_runs, name: str) -> list[dict]:
 @pytest.mark.e2e
 def test_quick_start_first_iteration_is_as_stated(readme_runs):
     """The quick start's first logged iteration: the loss and what the data lost, as stated."""
-    stated = re.search(r"loss falls from\s+about\s+([\d.]+)", README)
-    assert stated, "the quick start no longer states its first loss"
-    truncated = re.search(r"`(truncated: \d+ \(\d+ loss tokens cut\))`\s+at the first", README)
-    assert truncated, "the quick start no longer states what the first iteration truncates"
+    stated = re.findall(r"loss falls from\s+about\s+([\d.]+)", PAGES)
+    assert stated, "no page states the main job's first loss"
+    truncated = re.findall(r"`(truncated: \d+ \(\d+ loss tokens cut\))`\s+at the first", PAGES)
+    assert truncated, "no page states what the main job's first iteration truncates"
     output = _run_of(readme_runs, "--train-iters 100 --log-interval 10")
     first = re.search(r"iteration\s+1/\s*\d+ \|(.*)", output)
     assert first, output[-3000:]
     loss = float(re.search(r"lm loss: ([\d.E+-]+)", first[1])[1])
-    assert abs(loss - float(stated[1])) <= 0.05, f"README says about {stated[1]}; measured {loss}"
-    assert truncated[1] in first[1], f"README says {truncated[1]!r}; logged {first[1]!r}"
+    for figure in stated:
+        assert abs(loss - float(figure)) <= 0.05, f"a page says about {figure}; measured {loss}"
+    for words in truncated:
+        assert words in first[1], f"a page says {words!r}; logged {first[1]!r}"
     # Megatron's Transformer Engine/Apex fallback warning: once per run, not per module and rank.
     assert output.count("are not installed") <= 1, output[:4000]
     assert re.search(r"data: \d+ samples over \d+ iterations", output), output[-2000:]
@@ -343,51 +366,67 @@ def test_two_layouts_agree_as_stated(readme_runs):
 
 @pytest.mark.e2e
 def test_grpo_first_reward_is_as_stated(readme_runs):
-    stated = re.search(r"rises\s+from\s+([\d.]+)\s+at\s+the\s+first\s+iteration", README)
-    assert stated, "the RL section no longer states its first reward"
+    stated = re.search(r"rises\s+from\s+([\d.]+)\s+at\s+the\s+first\s+iteration", PAGES)
+    assert stated, "no page states the GRPO example's first reward"
     records = _metrics(readme_runs, "grpo.jsonl")
     assert [r["iteration"] for r in records] == list(range(1, BRIEF_ITERS + 1))
     first = records[0]["reward_mean"]
-    assert abs(first - float(stated[1])) <= 0.02, f"README says {stated[1]}; measured {first:.3f}"
+    assert abs(first - float(stated[1])) <= 0.02, f"the page says {stated[1]}; measured {first:.3f}"
 
 
-def _readme_audit_table() -> dict[str, dict[str, str]]:
-    """The audit table at the top of the README: ``{mode: {layout: figure as printed}}``."""
-    body = next(b for _, b in _blocks() if "megatron_lossfix audit" in b and "mode " in b)
-    lines = [line for line in body.splitlines() if line.strip() and not line.startswith("$")]
-    layouts = lines[0].split()[1:]
-    table = {}
-    for line in lines[1:]:
-        figures = line.split()[-len(layouts) :]
-        table[line.split()[0]] = dict(zip(layouts, figures, strict=True))
-    return table
+_FIGURE = re.compile(r"\d\.\de[+-]\d+\*?")
+
+
+def _audit_tables() -> list[dict[str, dict[str, str]]]:
+    """Every audit table the pages print: ``{mode: {layout: figure as printed}}`` each."""
+    tables = []
+    for _, _, body in doc_pages.blocks():
+        lines = [line for line in body.splitlines() if line.strip()]
+        header = next((i for i, line in enumerate(lines) if line.startswith("mode ")), None)
+        if "megatron_lossfix audit" not in body or header is None:
+            continue
+        layouts = [word for word in lines[header].split()[1:] if word != "verdict"]
+        table = {}
+        for line in lines[header + 1 :]:
+            figures = _FIGURE.findall(line)
+            if len(figures) >= len(layouts):
+                table[line.split()[0]] = dict(zip(layouts, figures[: len(layouts)], strict=True))
+        tables.append(table)
+    return tables
+
+
+@pytest.mark.unit
+def test_the_pages_print_one_audit_table():
+    """The README and the home page print the same table (one measurement, shown twice)."""
+    tables = _audit_tables()
+    assert len(tables) >= 2 and all(t == tables[0] for t in tables), tables
 
 
 @pytest.mark.e2e
 def test_audit_table_is_what_the_audit_measures(readme_runs):
-    """The README's audit table against the ``audit.json`` of its command, on the layouts run:
+    """The pages' audit table against the ``audit.json`` of their command, on the layouts run:
     every plugin mode within the 1e-5 tolerance in both, stock Megatron (``off``) marked as a
     miss and measured within a factor 1.5 of the figure printed."""
     output = _run_of(readme_runs, "-m megatron_lossfix audit")
     assert "PASS: 0 plugin results above tolerance" in output, output[-3000:]
     report = json.loads((readme_runs["copy"] / "audit-out" / "audit.json").read_text())
-    table = _readme_audit_table()
-    assert set(table) == set(report["errors"]), (set(table), set(report["errors"]))
-    for mode, row in report["errors"].items():
-        for layout in BRIEF_LAYOUTS:
-            printed, measured = table[mode][layout], row[layout]
-            if mode == "off":
-                assert printed.endswith("*"), (mode, layout, printed)
-                stated = float(printed.rstrip("*"))
-                assert stated / 1.5 <= measured <= stated * 1.5, (layout, stated, measured)
-            else:
-                assert float(printed) <= 1e-5 and measured <= 1e-5, (mode, layout, measured)
+    for table in _audit_tables():
+        assert set(table) == set(report["errors"]), (set(table), set(report["errors"]))
+        for mode, row in report["errors"].items():
+            for layout in BRIEF_LAYOUTS:
+                printed, measured = table[mode][layout], row[layout]
+                if mode == "off":
+                    assert printed.endswith("*"), (mode, layout, printed)
+                    stated = float(printed.rstrip("*"))
+                    assert stated / 1.5 <= measured <= stated * 1.5, (layout, stated, measured)
+                else:
+                    assert float(printed) <= 1e-5 and measured <= 1e-5, (mode, layout, measured)
 
 
 @pytest.mark.e2e
 def test_audit_entry_point_writes_what_the_readme_says(readme_runs):
-    """``python -m megatron_lossfix audit`` end to end, as the README runs it: in its own rank
-    pool, progress lines on stderr (not a terminal here), and what the README says it writes,
+    """``python -m megatron_lossfix audit`` end to end, as the pages run it: in its own rank
+    pool, progress lines on stderr (not a terminal here), and what the pages say it writes,
     ``audit-out/audit.json`` and, with matplotlib (a test extra), ``audit-out/audit.png``."""
     command = next(c for c in COMMANDS if "-m megatron_lossfix audit" in c)
     proc = readme_runs["runs"][command]

@@ -1,8 +1,9 @@
-"""The README's CPU command for Megatron-LM's patched ``pretrain_gpt.py``, run as printed.
+"""The CPU command for Megatron-LM's patched ``pretrain_gpt.py`` (docs/megatron_lm.md), run as
+printed.
 
-The block under "In Megatron-LM" clones Megatron-LM beside the clone, installs what its training
+The block that clones Megatron-LM beside the clone, installs what its training
 package imports, patches it and trains a tiny GPT on 2 ranks. Here it runs line by line in a
-scratch folder laid out as the README assumes (the clone, ``../Megatron-LM`` beside it), with
+scratch folder laid out as the page assumes (the clone, ``../Megatron-LM`` beside it), with
 two stand-ins: the sources of the tag it clones come from ``MEGATRON_LM_ARCHIVES`` (no network),
 and ``.venv/bin`` holds ``python``, ``python3``, ``torchrun`` and ``python3-config`` wrappers of
 this test's own interpreter (the environment CI built; its install line is not run). Every other
@@ -20,20 +21,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import doc_pages
 from helpers.megatron_lm_run import archives_folder, unpack_tag
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT.joinpath("README.md").read_text()
 
 
 def _block() -> list[str]:
-    """The lines of the README's bash block that clones Megatron-LM and runs it on a CPU."""
-    for body in re.findall(r"^```bash\n(.*?)^```", README, flags=re.S | re.M):
+    """The lines of the pages' bash block that clones Megatron-LM and runs it on a CPU."""
+    for _, lang, body in doc_pages.blocks("bash"):
         if "git clone" in body and "pretrain_gpt.py" in body:
-            return [line.strip() for line in body.splitlines() if line.strip()]
-    raise AssertionError("the README has no bash block that clones and runs Megatron-LM")
+            return doc_pages.block_commands(lang, body)
+    raise AssertionError("no page has a bash block that clones and runs Megatron-LM")
 
 
 def _wrappers(bin_dir: Path) -> None:
@@ -62,7 +63,7 @@ def test_readme_cpu_command_runs_as_printed(tmp_path):
     tag = re.search(r"--branch (\S+)", clone)[1]
     folder = archives_folder()
     if folder is None or not (folder / f"{tag}.tar.gz").is_file():
-        pytest.skip(f"needs MEGATRON_LM_ARCHIVES with {tag}.tar.gz (the tag the README clones)")
+        pytest.skip(f"needs MEGATRON_LM_ARCHIVES with {tag}.tar.gz (the tag the page clones)")
     work = tmp_path / "clone"
     work.mkdir()
     assert clone.split()[-1] == "../Megatron-LM", clone

@@ -1,33 +1,38 @@
-"""The README's "Use it in your training script" snippet, executed as printed.
+"""The own-loop recipe of the README and of docs/own_loop.md, executed as printed.
 
-The ``python`` block of that section runs on two data-parallel ranks of a real Megatron-Core GPT,
-with ``it``, ``model``, ``M``, ``S`` and ``B`` supplied and ``sys.argv`` holding the flags:
+The ``python`` block that builds the schedule from the flags (the same on both pages) runs on
+two data-parallel ranks of a real Megatron-Core GPT, with ``it``, ``model``, ``M``, ``S`` and
+``B`` supplied and ``sys.argv`` holding the flags:
 
 * without ``--loss-reduction`` it must be stock Megatron: the same gradient as
   ``get_forward_backward_func()`` with Megatron-LM's loss (sum of masked losses, token count);
 * with ``--loss-reduction token_mean --lossfix-self-check`` the self-check runs as part of it
   and prints one line with the measured error, and the gradient is no longer stock's (which
   shows the first comparison can fail);
-* the evaluation call the README describes (``forward_only=True``) reports the same loss as the
+* the evaluation call the pages describe (``forward_only=True``) reports the same loss as the
   training step on the same data and weights.
 """
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import doc_pages
 
 pytestmark = pytest.mark.oracle
 
-ROOT = Path(__file__).resolve().parents[1]
-README = ROOT.joinpath("README.md").read_text()
-
 
 def _recipe() -> str:
-    section = README.split("## Use it in your training script", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, flags=re.S)[1]
+    """The recipe block; every page that prints it prints the same code."""
+    copies = {
+        page.name: body
+        for page, _, body in doc_pages.blocks("python")
+        if "schedule_from_args(args)" in body
+    }
+    assert {"README.md", "own_loop.md"} <= set(copies), sorted(copies)
+    assert len(set(copies.values())) == 1, "the pages print different recipes"
+    return next(iter(copies.values()))
 
 
 def _relative(a: dict, b: dict) -> float:
@@ -37,7 +42,7 @@ def _relative(a: dict, b: dict) -> float:
 
 
 def _run_recipe(code: str, argv: list[str], m: int = 3) -> dict:
-    """On each rank: a stock Megatron step, then the README snippet, then its evaluation call."""
+    """On each rank: a stock Megatron step, then the recipe, then its evaluation call."""
     import contextlib
     import io
     import sys
@@ -89,7 +94,7 @@ def _run_recipe(code: str, argv: list[str], m: int = 3) -> dict:
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            exec(compile(code, "README.md", "exec"), names)
+            exec(compile(code, "recipe", "exec"), names)
     finally:
         sys.argv = saved_argv
     recipe = gather_full_grads(chunks)

@@ -1,11 +1,11 @@
-"""The README's verl and SkyRL commands: the install line installs what CI tests, and the stack
-audits run as printed where the stack is installed.
+"""The verl and SkyRL commands of the README and of the docs pages: the install line installs
+what CI tests, and the stack audits run as printed where the stack is installed.
 
-* unit: the install line makes its own Python 3.12 virtualenv from the ``[verl]`` and
-  ``[skyrl]`` extras of ``setup.py`` (no versions of its own), every stack command runs in that
-  virtualenv, and the extras pin what CI installs for the stack tests
-  (``.ci/rl-requirements.txt``, ``noxfile.py``).
-* e2e: each ``--stack`` command, with this interpreter for ``.venv-rl/bin/python`` and on one
+* unit: each stack's install line makes its own Python 3.12 virtualenv, ``.venv-<stack>``, from
+  the ``[<stack>]`` extra of ``setup.py`` (no versions of its own: verl 0.9.1 and SkyRL 0.4.0 do
+  not resolve together), every stack command runs in its stack's virtualenv, and the extras pin
+  what CI installs for the stack tests (``.ci/rl-requirements.txt``, ``noxfile.py``).
+* e2e: each ``--stack`` command, with this interpreter for ``.venv-<stack>/bin/python`` and on one
   layout (``BRIEF_LAYOUT`` in place of ``--layouts``, as ``tests/test_readme.py`` runs the
   audit), exits 0 and writes its ``audit.json`` with the adapted row passing. Skipped where the
   stack is not installed (CI's stack layer has both).
@@ -23,24 +23,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT.joinpath("README.md").read_text()
-VENV = ".venv-rl"
+STACKS = ("verl", "skyrl")
 BRIEF_LAYOUT = "dp2-m3"
 
 
-def _bash_lines() -> list[str]:
-    blocks = re.findall(r"^```bash\n(.*?)^```", README, flags=re.S | re.M)
-    return [line.strip() for body in blocks for line in body.splitlines() if line.strip()]
-
-
 def _stack_commands() -> list[str]:
-    return [line for line in _bash_lines() if "megatron_lossfix audit --stack" in line]
+    return [line for line in doc_pages.bash_lines() if "megatron_lossfix audit --stack" in line]
 
 
-def _install_lines() -> list[str]:
-    return [line for line in _bash_lines() if f"{VENV}/bin/pip install" in line]
+def _venv(stack: str) -> str:
+    return f".venv-{stack}"
+
+
+def _install_lines(stack: str) -> list[str]:
+    return [line for line in doc_pages.bash_lines() if f"{_venv(stack)}/bin/pip install" in line]
 
 
 def _extras() -> dict[str, list[str]]:
@@ -54,16 +53,18 @@ def _extras() -> dict[str, list[str]]:
 
 
 @pytest.mark.unit
-def test_install_line_makes_its_own_312_env_from_the_extras():
-    lines = set(_install_lines())
-    assert len(lines) == 1, f"one install line for verl and SkyRL, got {lines}"
+@pytest.mark.parametrize("stack", STACKS)
+def test_install_line_makes_its_own_312_env_from_the_extra(stack):
+    lines = set(_install_lines(stack))
+    assert len(lines) == 1, f"one install line for {stack}, got {lines}"
     (line,) = lines
-    assert line.startswith(f"python3.12 -m venv {VENV} && "), line
-    assert '-e ".[verl,skyrl]"' in line, line
+    assert line.startswith(f"python3.12 -m venv {_venv(stack)} && "), line
+    assert f'-e ".[{stack}]"' in line, line
     # Versions come from the extras only: the line pins nothing of verl's or SkyRL's own.
     assert not re.search(r"\b(verl|skyrl)[\w-]*==", line), line
     for cmd in _stack_commands():
-        assert cmd.startswith(f"{VENV}/bin/python -m megatron_lossfix audit --stack"), cmd
+        if f"--stack {stack}" in cmd:
+            assert cmd.startswith(f"{_venv(stack)}/bin/python -m megatron_lossfix audit"), cmd
 
 
 @pytest.mark.unit
@@ -80,7 +81,7 @@ def test_the_extras_pin_what_ci_installs():
 def _brief(cmd: str) -> tuple[list[str], str]:
     """The command's argv with this interpreter and one layout, and the folder it writes."""
     argv = shlex.split(cmd.split("#", 1)[0])
-    assert argv[0] == f"{VENV}/bin/python", cmd
+    assert argv[0] in {f"{_venv(stack)}/bin/python" for stack in STACKS}, cmd
     argv[0] = sys.executable
     if "--layouts" in argv:
         argv[argv.index("--layouts") + 1] = BRIEF_LAYOUT
@@ -95,7 +96,7 @@ def _brief(cmd: str) -> tuple[list[str], str]:
 def test_stack_audit_runs_as_printed(cmd, tmp_path):
     stack = re.search(r"--stack (\w+)", cmd)[1]
     if importlib.util.find_spec(stack) is None:
-        pytest.skip(f"{stack} is not installed (the README's {VENV} has it)")
+        pytest.skip(f"{stack} is not installed (the pages' {_venv(stack)} has it)")
     argv, out = _brief(cmd)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)

@@ -1,5 +1,6 @@
 """Gradient oracle for the full RL objective (policy + KL + entropy): PPO with dual clip and
-GSPO, every invariant mode, micro-batch counts 1 and 3, DP2, TP2, PP2 and CP2."""
+GSPO, every invariant mode (``group_mean`` over prompt groups that straddle ranks and
+micro-batches included), micro-batch counts 1 and 3, DP2, TP2, PP2 and CP2."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from megatron_lossfix.audit.tiny_gpt import Layout
 pytestmark = pytest.mark.oracle
 
 TOL = 1e-5
-MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "off")
+MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "group_mean", "off")
 LAYOUTS = [
     ("dp1-m3", Layout(), 1, 3, {}),
     ("dp2-m1", Layout(), 2, 1, {}),

@@ -109,7 +109,7 @@ PEER = "ProblemOnAnotherRank"  # every other rank of the step (a StepRefused too
 )
 def test_ranks_disagreeing_on_the_mode_all_raise(dist_pool, modes):
     """(``off`` against a plugin mode cannot be seen: ``off`` is stock and communicates
-    nothing, so the plugin rank waits in its all-reduce; see the README's Limits.)"""
+    nothing, so the plugin rank waits in its all-reduce; see docs/limits.md.)"""
     results = _run(dist_pool, modes)
     for kind, message in results:
         assert kind == REFUSED and "disagree on the loss reduction" in message, results

@@ -6,6 +6,7 @@ catches double-scaled losses on every rank. The re-split plans are in test_respl
 from __future__ import annotations
 
 import argparse
+import warnings
 from functools import partial
 
 import pytest
@@ -62,7 +63,10 @@ def test_off_schedule_with_the_check_passes_its_step_through():
 def test_self_check_from_flags():
     parser = add_lossfix_args(argparse.ArgumentParser())
     config = from_args(parser.parse_args(["--loss-reduction", "token_mean"]))
-    assert not config.self_check and LossFixSchedule(config).self_check is None
+    assert config.self_check is None and LossFixSchedule(config).self_check is not None
+    config = from_args(parser.parse_args(["--loss-reduction", "sum", "--no-lossfix-self-check"]))
+    assert config.self_check is False and LossFixSchedule(config).self_check is None
+    assert from_args(parser.parse_args(["--no-lossfix-self-check"])) is None  # stock: fine
     flags = ["--loss-reduction", "sum", "--lossfix-self-check"]
     config = from_args(parser.parse_args([*flags, "--lossfix-self-check-tolerance", "1e-3"]))
     assert config.self_check and config.self_check_tolerance == 1e-3
@@ -96,6 +100,29 @@ def test_recorder_reads_next_only_iterators_and_keeps_copies():
     with pytest.raises(StopIteration):
         next(recorder)
     assert [b["tag"] for b in seen] == [1, 2]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
+def test_plugin_modes_check_their_first_step_by_default(reduction):
+    """On unless opted out; not in the modes that depend on the split; a default check of a
+    step it cannot check says nothing, an asked-for one warns."""
+    assert LossFixConfig().self_check is None
+    schedule = LossFixSchedule(LossFixConfig(reduction=reduction))
+    assert schedule.self_check is not None and not schedule.self_check.explicit
+    assert LossFixSchedule(LossFixConfig(reduction=reduction, self_check=False)).self_check is None
+    for mode in ("off", "token_mean_legacy"):
+        assert LossFixSchedule(LossFixConfig(reduction=mode)).self_check is None
+    call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
+    inner = _FakeStep()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default skips silently
+        assert schedule.self_check.run(inner, call) == ["ok"] and inner.calls == 1
+    asked = SelfCheck(LossFixConfig(reduction=reduction, self_check=True))
+    with pytest.warns(UserWarning, match="self-check skipped: the model is not a torch.nn"):
+        assert asked.run(inner, call) == ["ok"]
+    with pytest.raises(ValueError, match=r"self_check \(--\[no-\]lossfix-self-check\) must be"):
+        LossFixConfig(self_check="yes")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ on the tiny GPT
@@ -188,14 +215,17 @@ def _check_on_rank(
     per_token: bool = False,
     broadcast: bool = False,
     finalize: str = "megatron",
+    self_check: bool | None = True,
     **model_kwargs,
 ) -> dict:
-    """A plain step, then the same step under the self-check, then a second checked step;
-    every rank returns what it saw (rank 0 also compares the full gradients)."""
+    """A plain step, then the same step under the self-check (``self_check``: the config's
+    value, None: its default), then a second checked step; every rank returns what it saw
+    (rank 0 also compares the full gradients)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.oracle_case import id_ranges
     from megatron_lossfix.audit.tiny_gpt import (
         build_tiny_gpt,
         gather_full_grads,
@@ -216,7 +246,7 @@ def _check_on_rank(
     start = rank * sum(sizes)
     local = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
     parts = {k: torch.split(v, sizes) for k, v in local.items()}
-    mbs = [{k: parts[k][i] for k in local} for i in range(m)]
+    mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(m)]
     counter = [0]
 
     def step(schedule):
@@ -244,13 +274,12 @@ def _check_on_rank(
         return grads, torch.get_rng_state(), counter[0], schedule.step_metrics()["loss"]
 
     norm = 16.0 if reduction == "seq_mean_token_sum_norm" else None
-    config_ = LossFixConfig(reduction=reduction, norm_constant=norm)
+    config_ = LossFixConfig(reduction=reduction, norm_constant=norm, self_check=False)
     if finalize == "megatron":
         plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
-    schedule = LossFixSchedule(
-        LossFixConfig(reduction=reduction, norm_constant=norm, self_check=True)
-    )
-    checker = schedule.self_check
+    asked = {} if self_check is None else {"self_check": self_check}
+    schedule = LossFixSchedule(LossFixConfig(reduction=reduction, norm_constant=norm, **asked))
+    checker = schedule.self_check or SelfCheck(config_)  # opted out: a check that never ran
     try:
         checked, checked_rng, checked_calls, checked_loss = step(schedule)
     except SelfCheckError as exc:
@@ -263,6 +292,7 @@ def _check_on_rank(
     second, _, second_calls, _ = step(schedule)
     out = {
         "raised": None,
+        "checked": checker.checked,
         "error": checker.last_error,
         "spread": checker.last_replica_spread,
         "plan": checker.last_plan,
@@ -298,6 +328,9 @@ PASSING = [
     ("dp2-m2-sum", Layout(), 2, 2, {"reduction": "sum"}, "split"),
     ("pp2-m4", Layout(pp=2), 2, 4, {}, "split"),
     ("pp2-m8-merge", Layout(pp=2), 2, 8, {"reduction": "sequence_mean"}, "merge"),
+    # Group ids (one per row) are cut and merged with their rows; the group count goes along.
+    ("dp2-m2-group", Layout(), 2, 2, {"reduction": "group_mean"}, "split"),
+    ("pp2-m8-merge-group", Layout(pp=2), 2, 8, {"reduction": "group_mean"}, "merge"),
     ("pp2-vpp2-m4", Layout(pp=2, vpp=2), 2, 4, {}, "split"),
     ("dp2-m2-distopt", Layout(), 2, 2, {"use_distributed_optimizer": True}, "split"),
     ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),
@@ -368,3 +401,28 @@ def test_self_check_catches_gradients_that_differ_across_dp_ranks(
         assert "finalize_model_grads_func = finalize_model_grads" in res["raised"]
         assert res["spread"] > 1e-2, res
     assert len({res["spread"] for res in results}) == 1  # one verdict everywhere
+
+
+@pytest.mark.oracle
+def test_default_check_stops_a_loss_that_returns_a_mean_on_dp2(dist_pool):
+    """A plugin mode without any self-check setting: a loss function returning a per-micro-batch
+    mean is stopped at the first step on every rank, with one line naming the fix."""
+    results = dist_pool.run(_check_on_rank, 2, Layout(), 2, loss="mask_mean", self_check=None)
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None, f"rank {rank} did not raise: {res}"
+        assert "\n" not in res["raised"], "one line"
+        assert "return (sum(weights * loss), num_tokens, report)" in res["raised"]
+        assert "megatron_lossfix.weighted_loss" in res["raised"]
+    assert len({res["raised"] for res in results}) == 1  # one verdict everywhere
+
+
+@pytest.mark.oracle
+def test_opting_out_skips_the_first_step_check(dist_pool):
+    """``self_check=False``: the same mean-returning loss trains on unchecked (the user's
+    choice), and the step runs once: no re-run."""
+    results = dist_pool.run(_check_on_rank, 2, Layout(), 2, loss="mask_mean", self_check=False)
+    for rank, res in enumerate(results):
+        assert res["raised"] is None and not res["checked"], f"rank {rank}: {res}"
+        plain, checked, second = res["calls"]
+        assert plain == checked == second, res["calls"]
+    assert results[0]["grads_same"]  # exactly a plain step's gradient

@@ -1,6 +1,6 @@
 """SkyRL's own Megatron loss path under the audit (``--stack skyrl``) and the adapter.
 
-The e2e tests run SkyRL 0.3.0's ``MegatronModelWrapper`` from its package on the tiny GPT over
+The e2e tests run SkyRL 0.4.0's ``MegatronModelWrapper`` from its package on the tiny GPT over
 two DP ranks with three micro-batches each, KL and entropy on, and compare the gradient with the
 one-rank reference of the exact objective. They skip where SkyRL is not installed
 (``pip install -e .[skyrl]``). The unit tests check the mapping and the report without SkyRL.
@@ -12,6 +12,7 @@ import importlib.util
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -32,18 +33,31 @@ TOL = 1e-5
 @pytest.mark.parametrize("mode", sorted(SKYRL_MODES))
 def test_every_skyrl_mode_maps_to_the_plugin_mode_of_its_name(mode):
     config = lossfix_config_for(SimpleNamespace(loss_reduction=mode, max_seq_len=16))
-    assert config.reduction == mode
+    # prompt_mean is the alias of group_mean.
+    assert config.reduction == {"prompt_mean": "group_mean"}.get(mode, mode)
     assert config.norm_constant == (16 if mode == "seq_mean_token_sum_norm" else None)
 
 
 @pytest.mark.unit
 def test_unknown_skyrl_mode_and_missing_max_seq_len_are_refused():
-    with pytest.raises(ValueError, match="prompt_mean"):
-        lossfix_config_for(SimpleNamespace(loss_reduction="prompt_mean", max_seq_len=16))
+    with pytest.raises(ValueError, match="batch_mean"):
+        lossfix_config_for(SimpleNamespace(loss_reduction="batch_mean", max_seq_len=16))
     with pytest.raises(ValueError, match="max_seq_len"):
         lossfix_config_for(
             SimpleNamespace(loss_reduction="seq_mean_token_sum_norm", max_seq_len=None)
         )
+
+
+@pytest.mark.unit
+def test_group_ids_follow_skyrl_prompt_boundaries():
+    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+
+    ids = group_ids_from_boundaries([(0, 2), (2, 5), (5, 6)], 6)
+    assert ids.tolist() == [0, 0, 1, 1, 1, 2] and ids.dtype == torch.long
+    with pytest.raises(ValueError, match="row 5 of the mini-batch belongs to no prompt"):
+        group_ids_from_boundaries([(0, 2), (2, 5)], 6)
+    with pytest.raises(ValueError, match="overlaps"):
+        group_ids_from_boundaries([(0, 3), (2, 6)], 6)
 
 
 @pytest.mark.unit
@@ -103,6 +117,57 @@ def test_stack_without_skyrl_says_how_to_install(capsys):
     assert "pip install -e .[skyrl]" in capsys.readouterr().err
 
 
+@pytest.mark.unit
+def test_stack_on_an_older_skyrl_says_which_it_needs(capsys, monkeypatch):
+    import importlib.metadata
+
+    from megatron_lossfix.audit.command import main
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--stack", "skyrl", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs skyrl >= 0.4 (installed: 0.3.0): pip install -e .[skyrl]" in err, err
+
+
+@pytest.mark.unit
+@needs_skyrl
+@pytest.mark.parametrize("masked_prompt", [None, 2])
+def test_skyrl_prompt_mean_is_the_plugins_group_mean_but_for_all_masked_prompts(masked_prompt):
+    """SkyRL's own prompt_mean (its advantage pre-scaling, as released) against the plugin's
+    group_mean weights on the same mini-batch: the same per-token weights while every prompt
+    has a loss token; with one prompt all masked SkyRL still counts it, so its weights are the
+    plugin's times (prompts with a loss token) / (all prompts) (docs/design.md §2)."""
+    from helpers.prompt_groups import PROMPT_ROWS, global_batch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+
+    from megatron_lossfix import loss_weights
+    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+
+    mask, _, _ = global_batch(masked_prompt)
+    ones = torch.ones_like(mask)
+    skyrl = (
+        apply_loss_reduction_to_advantages_minibatch(
+            advantages=ones,
+            loss_mask=mask,
+            loss_reduction="prompt_mean",
+            micro_batch_size=2,
+            max_seq_len=mask.shape[1],
+            prompt_boundaries=list(PROMPT_ROWS),
+        )
+        * mask
+    )
+    ids = group_ids_from_boundaries(PROMPT_ROWS, mask.shape[0])
+    (ours,) = loss_weights([mask], "prompt_mean", group_ids=[ids], num_groups=len(PROMPT_ROWS))
+    kept = len(PROMPT_ROWS) - (masked_prompt is not None)
+    torch.testing.assert_close(skyrl, ours * kept / len(PROMPT_ROWS), rtol=1e-6, atol=0)
+    if masked_prompt is not None:
+        assert not torch.allclose(skyrl, ours)
+
+
 # ------------------------------------------------------------------------------ e2e
 
 
@@ -129,11 +194,14 @@ def _errors(pool, worker, mode: str, terms: str = "all") -> dict[str, float]:
 
 @needs_skyrl
 @pytest.mark.e2e
-@pytest.mark.parametrize("terms", ["all", "kl_entropy"])
-def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms):
+@pytest.mark.parametrize(
+    "terms, mode",
+    [("all", "token_mean"), ("kl_entropy", "token_mean"), ("all", "prompt_mean")],
+)
+def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms, mode):
     from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
 
-    errors = _errors(skyrl_pool, skyrl_layout_grads, "token_mean", terms)
+    errors = _errors(skyrl_pool, skyrl_layout_grads, mode, terms)
     assert errors["skyrl+lossfix"] <= TOL, errors
     # SkyRL's per-micro-batch KL and entropy means: far from the exact objective.
     assert errors["skyrl"] > 100 * TOL, errors
@@ -145,7 +213,7 @@ def test_sft_path_is_exact_as_released_and_through_the_adapter(skyrl_pool):
     from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
 
     # SkyRL 0.3.0 divides the SFT loss mask by the mini-batch's token count on the driver and
-    # undoes Megatron's averaging: exact for token_mean (measured; see the README).
+    # undoes Megatron's averaging: exact for token_mean (measured; see docs/skyrl.md).
     errors = _errors(skyrl_pool, skyrl_layout_grads, "token_mean", "sft")
     assert max(errors.values()) <= TOL, errors
 

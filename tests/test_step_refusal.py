@@ -77,3 +77,34 @@ def test_the_same_input_is_fine_for_off_when_the_loss_function_copes(dist_pool):
     reads ``loss_weights`` only through ``batch.get``, and stock Megatron never looks)."""
     results = dist_pool.run(refusal_case, 4, "fractional-mask", "off", 3, HOLD_S)
     assert [kind for kind, _, _ in results] == ["ok"] * 4, results
+
+
+# case -> what the broken rank says (its peers name the kind, as above); group_mean's ids.
+GROUP_CASES = {
+    "group-id-range": r"'group_ids' of micro-batch 0 must lie in [0, 2)",
+    "group-id-float": "'group_ids' of micro-batch 0 must hold integers",
+    "group-ids-missing": "needs each sequence's group id",
+}
+GROUP_KIND = "a micro-batch's group or trajectory ids are missing, malformed or out of range"
+
+
+@pytest.mark.parametrize("case", [*GROUP_CASES, "group-range-disagree"])
+def test_bad_group_ids_are_refused_on_every_rank_and_nothing_is_trained(dist_pool, case):
+    from helpers.refusal import refusal_and_gradient
+
+    results = dist_pool.run(refusal_and_gradient, 4, case, "group_mean", 3, HOLD_S)
+    for rank, (kind, message, seconds, largest_grad) in enumerate(results):
+        assert seconds < LIMIT_S, f"rank {rank} took {seconds:.1f} s: {results}"
+        assert message is not None and "\n" not in message, (rank, results)
+        assert largest_grad == 0.0, f"rank {rank} holds a gradient: {results}"
+        if case == "group-range-disagree":  # every rank reads the same sums
+            assert kind == "StepRefused", (rank, results)
+            assert "disagree on the group ids' range" in message, (rank, results)
+        elif rank == 3:
+            assert kind == "StepRefused" and GROUP_CASES[case] in message, results
+        else:
+            assert kind == "ProblemOnAnotherRank", (rank, results)
+            assert GROUP_KIND in message and "reported by global rank 3" in message, results
+    # The same data with good ids trains (the check above can fail).
+    ok = dist_pool.run(refusal_and_gradient, 4, "none", "group_mean", 3, HOLD_S)
+    assert all(kind == "ok" and largest > 0 for kind, _, _, largest in ok), ok

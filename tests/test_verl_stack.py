@@ -3,7 +3,7 @@
 The mapping tests are pure (``unit``). The stack audits run verl 0.9.1's code in the rank pool
 (``e2e``) and skip, with the reason, where verl is not installed (``pip install -e .[verl]``).
 They run on the layout where verl as released misses (its per-token path under context
-parallelism, measured in the README's verl section), so that the adapter's exactness there is
+parallelism, measured on docs/verl.md), so that the adapter's exactness there is
 a finding, and the same audit with the adapter bypassed must fail.
 """
 

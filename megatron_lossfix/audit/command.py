@@ -161,13 +161,20 @@ def _require_stack(name: str) -> None:
     """Exit with one line naming the extra when the framework is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
-    distribution = load_stack(name).DISTRIBUTION
+    from packaging.version import Version
+
+    stack = load_stack(name)
+    distribution, oldest = stack.DISTRIBUTION, getattr(stack, "MIN_VERSION", None)
     try:
-        version(distribution)
+        installed = version(distribution)
     except PackageNotFoundError:
+        installed = None
+    if installed is None or (oldest is not None and Version(installed) < Version(oldest)):
         # 2, as for a bad flag: 1 means an adapted row missed.
+        have = "" if installed is None else f" >= {oldest} (installed: {installed})"
         print(
-            f"--stack {name} needs {distribution}: pip install -e .[{name}] (from this clone)",
+            f"--stack {name} needs {distribution}{have}: pip install -e .[{name}] (from this "
+            "clone)",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -26,6 +26,7 @@ from megatron_lossfix.audit.oracle import (
     row_settings,
 )
 from megatron_lossfix.audit.tiny_gpt import Layout
+from megatron_lossfix.reduction import canonical_mode
 
 __all__ = [
     "AUDIT_LAYOUTS",
@@ -178,7 +179,7 @@ def reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Pl
     # OracleCase holds dicts (unhashable); its repr lists every field, so it identifies the case.
     if mode == "token_mean_legacy":
         return (repr(case), mode, plan)
-    return (repr(case), "token_mean" if mode == "off" else mode, None)
+    return (repr(case), "token_mean" if mode == "off" else canonical_mode(mode), None)
 
 
 def reference_jobs(

@@ -17,7 +17,7 @@ from megatron_lossfix.audit.matrix import (
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE, COUNTING_PASS
 from megatron_lossfix.audit.stacks import STACKS, load_stack
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.reduction import ALIASES, MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",
@@ -132,7 +132,7 @@ def _allowed_modes(stack: str | None, terms: str) -> tuple[str, ...]:
     if stack is None:
         if terms != "all":
             raise ValueError(f"--terms {terms} needs --stack")
-        return MODES
+        return (*MODES, *ALIASES)
     module = load_stack(stack)
     offered = getattr(module, "TERMS", {"all": tuple(module.MODES)})
     if terms not in offered:
@@ -231,8 +231,9 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "--modes",
         type=_csv(None),
         help=f"comma-separated reduction modes to check (default: all: {','.join(MODES)}); "
-        "`off` is stock Megatron, the baseline, allowed to miss. With --stack, the framework's "
-        "own loss modes (default: all that have a counterpart here)",
+        "`off` is stock Megatron, the baseline, allowed to miss; prompt_mean is group_mean "
+        "(the data's prompt groups straddle ranks and micro-batches). With --stack, the "
+        "framework's own loss modes (default: all that have a counterpart here)",
     )
     parser.add_argument(
         "--layouts",
@@ -340,8 +341,9 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
     """The run's options from parsed flags (model size first, explicit sizes override it)."""
     size = MODEL_SIZES[args.model_size]
     modes = args.modes
-    if modes is None:
+    if modes is None:  # the plugin's modes once each: an alias only when asked for by name
         modes = _allowed_modes(args.stack, args.terms)
+        modes = [m for m in modes if args.stack is not None or m not in ALIASES]
     layouts = args.layouts
     if layouts is None:
         names = DEFAULT_LAYOUTS if args.stack is None else load_stack(args.stack).LAYOUTS

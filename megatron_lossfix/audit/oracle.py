@@ -20,8 +20,10 @@ import torch
 
 from megatron_lossfix.audit.oracle_case import (
     OracleCase,
+    id_ranges,
     make_global_batch,
     microbatch_plan,
+    prompt_groups,
     row_settings,
 )
 
@@ -50,9 +52,10 @@ def _split(batch: dict[str, torch.Tensor], sizes: Sequence[int]) -> list[dict]:
 
 
 def _pack(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back."""
+    """One ``[1, b*s]`` THD row holding the micro-batch's sequences back to back (one id per
+    sequence stays one id per packed sequence)."""
     b, s = mb["tokens"].shape
-    packed = {k: v.reshape(1, b * s) for k, v in mb.items()}
+    packed = {k: v.reshape(1, b * s) if v.dim() > 1 else v for k, v in mb.items()}
     packed["cu_seqlens"] = torch.arange(
         0, b * s + 1, s, dtype=torch.int32, device=mb["tokens"].device
     )
@@ -195,7 +198,7 @@ def _local_microbatches(
         mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
-    return mbs
+    return [{**mb, **id_ranges(case)} for mb in mbs]
 
 
 def layout_grads(
@@ -229,7 +232,9 @@ def layout_grads(
         tiny_gpt.set_deterministic_params(chunks, case.seed)
         distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
         optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
-        schedule = LossFixSchedule(LossFixConfig(**case.config_kwargs(mode)))
+        # The oracle is the check here: the first-step re-split check only when a case asks.
+        kwargs = {"self_check": False, **case.config_kwargs(mode)}
+        schedule = LossFixSchedule(LossFixConfig(**kwargs))
         # No optimizer here: the gradients are gathered before _optimizer_step.
         train_step(
             schedule,
@@ -253,18 +258,30 @@ def layout_grads(
 
 def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None) -> Any:
     """The reference's weights of a loss mask: the mode's (``off`` as ``token_mean``); for
-    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D."""
+    ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D; for
+    ``group_mean`` (``prompt_mean``) over the global batch's prompt groups. Every rank computes
+    them for the whole mini-batch it holds (``rank_local``)."""
     from megatron_lossfix.losses import loss_weights
+    from megatron_lossfix.reduction import canonical_mode
 
-    target = "token_mean" if mode == "off" else mode
+    target = "token_mean" if mode == "off" else canonical_mode(mode)
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
+        ranges, kwargs = id_ranges(case), {"rank_local": True}
+        if target == "group_mean":
+            ids = prompt_groups(mask.shape[0])[0].to(mask.device)
+            kwargs |= {"group_ids": [ids], "num_groups": ranges["num_groups"]}
+        elif case.trajectory_rows and target in ("sequence_mean", "seq_mean_token_sum_norm"):
+            ids = torch.arange(mask.shape[0], device=mask.device) // case.trajectory_rows
+            kwargs |= {"trajectory_ids": [ids], "num_trajectories": ranges["num_trajectories"]}
         if target != "token_mean_legacy":
-            return loss_weights([mask], target, norm_constant=case.norm_for(target))[0]
+            return loss_weights([mask], target, norm_constant=case.norm_for(target), **kwargs)[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
         return torch.cat(
             [
-                torch.cat(loss_weights(list(torch.split(masks, list(sizes))), target))
+                torch.cat(
+                    loss_weights(list(torch.split(masks, list(sizes))), target, rank_local=True)
+                )
                 for masks, sizes in zip(rank_masks, plan, strict=True)
             ]
         ) / len(plan)

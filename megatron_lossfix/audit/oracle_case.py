@@ -16,9 +16,12 @@ import torch
 __all__ = [
     "COUNTED_BEFORE",
     "COUNTING_PASS",
+    "PROMPT_GROUP_SIZES",
     "OracleCase",
+    "id_ranges",
     "make_global_batch",
     "microbatch_plan",
+    "prompt_groups",
     "row_settings",
 ]
 
@@ -36,6 +39,12 @@ def row_settings(row: str) -> tuple[str, dict[str, Any]]:
     if row.endswith(COUNTED_BEFORE):
         return row.removesuffix(COUNTED_BEFORE), {"mask_in_loss": False}
     return row, {}
+
+
+#: Responses per prompt in the global batch, consecutive and repeated: under the matrix's
+#: layouts groups straddle DP ranks and micro-batches (24 sequences: rows 0-4, 5-8, 9-14, 15-17,
+#: 18-23; DP2 splits the third group, DP3 the second and the fourth).
+PROMPT_GROUP_SIZES = (5, 4, 6, 3, 6)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -70,6 +79,9 @@ class OracleCase:
     """Gradient clipping norm of that step (0: none)."""
     lr: float = 0.1
     """Learning rate of that step."""
+    trajectory_rows: int = 0
+    """Rows per trajectory (consecutive): the batch carries ``trajectory_ids``, over which the
+    sequence modes weigh (a trajectory split into rows counts once); 0: none."""
     objective: str = "sft"
     """``sft`` (per-token cross entropy) or the full RL objective with ``ppo`` or ``gspo``
     policy loss plus a k3 KL penalty and an entropy bonus."""
@@ -130,7 +142,12 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
         "labels": labels,
         "loss_mask": mask.float(),
         "position_ids": pos.expand(b, s).clone(),
+        # One id per sequence (consecutive prompt groups, trajectories): the ranges are
+        # ``id_ranges(case)``, put into each micro-batch beside its slice.
+        "group_ids": prompt_groups(b)[0],
     }
+    if case.trajectory_rows:
+        batch["trajectory_ids"] = torch.arange(b) // case.trajectory_rows
     if case.objective != "sft":
         # Rollout data around the tiny model's own log-probs (about -log V), so that the PPO
         # ratio lands on both sides of the clip range; advantages are per sequence.
@@ -139,6 +156,24 @@ def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tens
         batch["ref_logprobs"] = base + 0.3 * torch.randn(b, s, generator=gen)
         batch["advantages"] = torch.randn(b, 1, generator=gen).expand(b, s).clone()
     return batch
+
+
+def prompt_groups(global_batch_size: int) -> tuple[torch.Tensor, int]:
+    """Each sequence's prompt group (``group_ids``, consecutive blocks of
+    :data:`PROMPT_GROUP_SIZES`) and the number of groups."""
+    ids, group = [], 0
+    while len(ids) < global_batch_size:
+        ids.extend([group] * PROMPT_GROUP_SIZES[group % len(PROMPT_GROUP_SIZES)])
+        group += 1
+    return torch.tensor(ids[:global_batch_size]), group
+
+
+def id_ranges(case: OracleCase) -> dict[str, int]:
+    """The id ranges every micro-batch carries beside its slice of the batch's ids."""
+    ranges = {"num_groups": prompt_groups(case.global_batch_size)[1]}
+    if case.trajectory_rows:
+        ranges["num_trajectories"] = -(-case.global_batch_size // case.trajectory_rows)
+    return ranges
 
 
 def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:

@@ -34,7 +34,7 @@ BRIDGE = "megatron-bridge==0.6.2"
 REQUIREMENTS = Path(__file__).with_name("bridge-requirements.txt")
 PYTHON_MIN = (3, 12)
 CORE_LINE = "0.19"
-#: The one line that makes an environment Bridge can go into (README's, beside the quick start).
+#: The one line that makes an environment Bridge can go into (docs/bridge.md's).
 MAKE_ENV = (
     "python3.12 -m venv .venv312 && .venv312/bin/pip install -q torch==2.13.0 "
     "megatron-core==0.19.2 -e . && .venv312/bin/python -m megatron_lossfix install-bridge"

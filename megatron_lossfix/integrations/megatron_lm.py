@@ -47,7 +47,7 @@ from megatron_lossfix.megatron_compat import (
 )
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.selfcheck import SelfCheck
+from megatron_lossfix.selfcheck import first_step_check
 
 __all__ = [
     "LOSS_KEY",
@@ -224,7 +224,7 @@ class MegatronLMLossFix:
         self.schedule = LossFixSchedule(
             dataclasses.replace(config, self_check=False), forward_backward_func
         )
-        self.self_check = SelfCheck(config) if config.self_check else None
+        self.self_check = first_step_check(config)
         self.inner = forward_backward_func
         """The wrapped Megatron schedule."""
         self.metrics_out = metrics_out
@@ -382,8 +382,8 @@ class MegatronLMLossFix:
 def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.Namespace) -> Any:
     """What the patched ``training.py`` calls when ``--loss-reduction`` is given.
 
-    Returns a :class:`MegatronLMLossFix` (checking its first step with
-    ``--lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
+    Returns a :class:`MegatronLMLossFix` (checking its first step unless
+    ``--no-lossfix-self-check``), or the function unchanged when ``--loss-reduction`` is absent.
     Refuses combinations that would silently bypass the plugin.
     """
     if getattr(args, "perform_rl_step", False):  # train_rl.py: its own micro-batches and loss

@@ -29,6 +29,7 @@ Rollout generation (the inference engine, agents over HTTP) is not touched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -69,9 +70,10 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     Raises ``ValueError`` with one line naming the flag for what the RL step cannot serve
     exactly: context parallelism (``train_rl`` all-reduces each micro-batch's loss over the CP
     group and its CP inference model is another one), CUDA graphs of the training step (they
-    replay a captured loss function), a re-split self-check (rollout rows and packed bins cannot
-    be re-split), a mode outside :data:`RL_MODES`, and what the ``pretrain_gpt.py`` integration
-    refuses (:func:`~megatron_lossfix.integrations.megatron_lm.incompatible_settings`).
+    replay a captured loss function), an explicit ``--lossfix-self-check`` (rollout rows and
+    packed bins cannot be re-split; the default check is skipped here), a mode outside
+    :data:`RL_MODES`, and what the ``pretrain_gpt.py`` integration refuses
+    (:func:`~megatron_lossfix.integrations.megatron_lm.incompatible_settings`).
     """
     mode = getattr(args, "loss_reduction", None)
     if mode is not None and mode not in RL_MODES:
@@ -97,7 +99,8 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
             "megatron_lossfix: --loss-reduction in train_rl.py cannot be combined with "
             + "; ".join(reasons)
         )
-    return config
+    # Not asked for: the default first-step check is skipped here, silently.
+    return dataclasses.replace(config, self_check=False)
 
 
 def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.Namespace) -> Any:

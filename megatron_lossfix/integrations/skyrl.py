@@ -1,6 +1,6 @@
 """SkyRL's Megatron model wrapper with exact, layout-invariant loss normalization.
 
-SkyRL (0.3.0) normalizes the policy loss in the advantages on the driver
+SkyRL (0.4.0) normalizes the policy loss in the advantages on the driver
 (``apply_loss_reduction_to_advantages_minibatch``), multiplies the loss by
 ``num_microbatches x dp_size`` inside ``MegatronModelWrapper.forward_backward_mini_batch`` to undo
 Megatron's averaging, and keeps the KL and entropy terms as per-micro-batch means. This module
@@ -14,16 +14,24 @@ built from SkyRL's own pieces: its log-prob and entropy kernels, its registered 
 with the raw advantages and ``loss_mask=w``, so its masked sum is ``sum(w * pg)``) and its
 ``compute_approx_kl``.
 
-What a SkyRL user changes (two places; SkyRL 0.3.0 has no configuration key that picks the
-model-wrapper class: ``MegatronPolicyWorkerBase.init_model`` builds ``MegatronModelWrapper``):
+What a SkyRL user changes (two places, three for ``prompt_mean``; SkyRL 0.4.0 has no
+configuration key that picks the model-wrapper class: ``MegatronPolicyWorkerBase.init_model``
+builds ``MegatronModelWrapper``):
 
 1. the policy worker's ``init_model`` ends with
    ``self.model = LossFixModelWrapper.from_wrapper(self.model)`` (``lossfix=`` picks the mode; by
    default ``algorithm.loss_reduction``, with ``algorithm.max_seq_len`` as the constant of
-   ``seq_mean_token_sum_norm``);
+   ``seq_mean_token_sum_norm``; ``prompt_mean`` is the plugin's ``group_mean``);
 2. the trainer stops pre-scaling the advantages (``RayPPOTrainer._normalize_advantages`` without
    its ``apply_loss_reduction_to_advantages_minibatch`` step): the plugin's weights carry the
-   normalization, and :func:`raw_advantages` is what the workers should get.
+   normalization, and :func:`raw_advantages` is what the workers should get;
+3. with ``prompt_mean``, every micro-batch dict the policy worker hands
+   ``forward_backward_mini_batch`` also carries ``group_ids`` (each row's prompt, numbered over
+   the mini-batch: :func:`group_ids_from_boundaries` of SkyRL's ``prompt_boundaries``, sliced
+   like the other rows' fields) and ``num_groups`` (the mini-batch's prompt count). The plugin
+   then sums each prompt's loss tokens over every micro-batch and DP rank; a prompt with no
+   loss token (all masked, e.g. by ``zero_variance_filter``) neither contributes nor counts,
+   where SkyRL's own ``prompt_mean`` still counts it (docs/design.md §2).
 
 SkyRL's SFT path (``loss_fn="cross_entropy"``) goes through the adapter too, as ``sum(w * nll)``
 over the raw (unscaled) loss mask. Forward-only passes, temperature other than 1, the fused
@@ -32,6 +40,7 @@ LM-head path and MTP draft training run SkyRL's own code unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -41,7 +50,13 @@ from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 # LossFixModelWrapper is made by the module's __getattr__, which imports SkyRL on first use.
-__all__ = ["SKYRL_MODES", "LossFixModelWrapper", "lossfix_config_for", "raw_advantages"]  # noqa: F822
+__all__ = [  # noqa: F822
+    "SKYRL_MODES",
+    "LossFixModelWrapper",
+    "group_ids_from_boundaries",
+    "lossfix_config_for",
+    "raw_advantages",
+]
 
 #: SkyRL's ``algorithm.loss_reduction`` values and the plugin's mode of the same meaning.
 SKYRL_MODES: dict[str, str] = {
@@ -49,6 +64,7 @@ SKYRL_MODES: dict[str, str] = {
     "token_mean_legacy": "token_mean_legacy",
     "sequence_mean": "sequence_mean",
     "seq_mean_token_sum_norm": "seq_mean_token_sum_norm",
+    "prompt_mean": "group_mean",
 }
 
 
@@ -67,6 +83,27 @@ def lossfix_config_for(algorithm: Any) -> LossFixConfig:
         if not norm:
             raise ValueError("seq_mean_token_sum_norm needs algorithm.max_seq_len > 0")
     return LossFixConfig(reduction=SKYRL_MODES[mode], norm_constant=norm)
+
+
+def group_ids_from_boundaries(
+    prompt_boundaries: Sequence[tuple[int, int]], num_rows: int
+) -> torch.Tensor:
+    """Each row's prompt index (``int64``, ``[num_rows]``) from SkyRL's mini-batch-relative
+    ``prompt_boundaries`` (``(start, end)`` per prompt, what its ``prompt_mean`` uses): the
+    ``group_ids`` of step 3 in the module docstring, with ``num_groups`` =
+    ``len(prompt_boundaries)``. Rows outside every prompt, or in two, are refused."""
+    ids = torch.full((num_rows,), -1, dtype=torch.long)
+    for p, (start, end) in enumerate(prompt_boundaries):
+        if not 0 <= start <= end <= num_rows or bool((ids[start:end] >= 0).any()):
+            raise ValueError(
+                f"prompt_boundaries[{p}] = ({start}, {end}) overlaps another prompt or leaves "
+                f"the mini-batch's {num_rows} rows"
+            )
+        ids[start:end] = p
+    if bool((ids < 0).any()):
+        row = int((ids < 0).nonzero()[0, 0])
+        raise ValueError(f"row {row} of the mini-batch belongs to no prompt in prompt_boundaries")
+    return ids
 
 
 def raw_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -124,8 +161,11 @@ def _action_logprobs(wrapper: Any, logits: torch.Tensor, data: dict) -> torch.Te
     return token_logprobs[:, -data["num_actions"] :]
 
 
-def _weighted_entropy(logits: torch.Tensor, data: dict, weights: torch.Tensor) -> torch.Tensor:
-    """``sum(w * entropy)`` over this rank's action tokens, with SkyRL's entropy kernels."""
+def _weighted_entropy(
+    cfg: Any, logits: torch.Tensor, data: dict, weights: torch.Tensor
+) -> torch.Tensor:
+    """``sum(w * entropy)`` over this rank's action tokens, with SkyRL's entropy kernels (and
+    the trainer config's chunking of them)."""
     import megatron.core.parallel_state as mpu
     from skyrl.backends.skyrl_train.distributed.megatron.model_utils import (
         vocab_parallel_entropy,
@@ -146,9 +186,15 @@ def _weighted_entropy(logits: torch.Tensor, data: dict, weights: torch.Tensor) -
             weights,
             mpu.get_context_parallel_group(),
             sub_seq_lengths=data.get("sub_seq_lengths_list"),
+            chunk_size=cfg.vocab_entropy_chunk_size,
+            chunk_memory_mb=cfg.vocab_entropy_chunk_memory_mb,
         )
         return local * weights.sum().detach().clamp(min=1.0)
-    entropy = vocab_parallel_entropy(logits[:, -num_actions - 1 : -1, :])
+    entropy = vocab_parallel_entropy(
+        logits[:, -num_actions - 1 : -1, :],
+        chunk_size=cfg.vocab_entropy_chunk_size,
+        chunk_memory_mb=cfg.vocab_entropy_chunk_memory_mb,
+    )
     return (entropy * weights).sum()
 
 
@@ -182,7 +228,7 @@ def _exact_loss(
         loss = loss + loss_config.kl_loss_coef * kl
         report["policy_kl_sum"] = kl.detach()
     if loss_config.use_entropy_loss and not sft:
-        entropy = _weighted_entropy(logits, data, weights)
+        entropy = _weighted_entropy(wrapper.cfg, logits, data, weights)
         loss = loss - loss_config.entropy_loss_coef * entropy
         report["policy_entropy_sum"] = entropy.detach()
     num_tokens = (data["loss_mask"] > 0).sum()
@@ -262,6 +308,7 @@ def _make_class() -> type:
             loss_fn: str | None = None,
             loss_fn_config: dict[str, Any] | None = None,
             forward_only: bool = False,
+            return_per_token_outputs: bool = True,
         ) -> list[dict]:
             from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
             from skyrl.backends.skyrl_train.workers.megatron import megatron_model_wrapper as mw
@@ -281,8 +328,9 @@ def _make_class() -> type:
                     loss_fn,
                     loss_fn_config,
                     forward_only,
+                    return_per_token_outputs,
                 )
-            if loss_fn_config is not None:
+            if loss_fn_config:
                 raise ValueError(
                     "LossFixModelWrapper: loss_fn_config overrides are not supported; set them "
                     "in the trainer's algorithm config"
@@ -299,7 +347,12 @@ def _make_class() -> type:
             mw.get_forward_backward_func = lambda *a, **k: self._lossfix_forward_backward
             try:
                 return super().forward_backward_mini_batch(
-                    micro_batches, seq_len, micro_batch_size, temperature, loss_fn
+                    micro_batches,
+                    seq_len,
+                    micro_batch_size,
+                    temperature,
+                    loss_fn,
+                    return_per_token_outputs=return_per_token_outputs,
                 )
             finally:
                 mw.get_forward_backward_func = original

@@ -30,6 +30,7 @@ by the sequences that have loss tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -246,7 +247,9 @@ def forward_backward_batch(
             postprocess_micro_batch_func=post,
         )
 
-    losses_reduced = LossFixSchedule(config)(
+    # A schedule per call: every step would be its first; the check runs only when asked.
+    checked = dataclasses.replace(config, self_check=bool(config.self_check))
+    losses_reduced = LossFixSchedule(checked)(
         forward_step_func=forward_step,
         data_iterator=make_batch_generator(batches, vpp_size=len(engine.module)),
         model=engine.module,

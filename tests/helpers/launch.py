@@ -2,8 +2,8 @@
 
 A torchrun launch is a launcher process plus one fresh interpreter per rank, and on CPU a tiny
 training run spends most of its time there importing torch, Megatron-Core and the script's
-framework, not training: measured on two cores, 74 to 97% of a launch's CPU time (``README``,
-"Tests"). :func:`launch` runs the same script instead in ranks forked from a long-lived
+framework, not training: measured on two cores, 74 to 97% of a launch's CPU time.
+:func:`launch` runs the same script instead in ranks forked from a long-lived
 *zygote*: a Python process that has imported the ``preload`` modules once, is kept for the rest
 of the test session, and serves every later launch with the same interpreter, environment and
 ``preload``. Each rank is a fresh fork that gets torchrun's rank environment (``RANK``,

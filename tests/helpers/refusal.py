@@ -21,12 +21,14 @@ from typing import Any
 
 from megatron_lossfix.agreement import Agreement, StepSettings
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
+from megatron_lossfix.audit.oracle_case import id_ranges
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 
 CASES = (
+    "none",
     "missing-mask",
     "non-dict",
     "no-iterator",
@@ -36,9 +38,15 @@ CASES = (
     "short",
     "per-token-missing-mask",
     "int-loss",
+    "group-id-range",
+    "group-id-float",
+    "group-ids-missing",
+    "group-range-disagree",
 )
-"""``int-loss`` (the loss function returns a Python int) is found inside Megatron's schedule,
-after the pre-step agreement; the agreement after the step refuses it on every rank."""
+"""``none`` breaks nothing. ``int-loss`` (the loss function returns a Python int) is found
+inside Megatron's schedule, after the pre-step agreement; the agreement after the step refuses
+it on every rank. The ``group-*`` cases break the group ids of ``group_mean``: an id out of
+range, float ids, no ids, and a rank whose ``num_groups`` differs from its peers'."""
 
 
 def _store() -> Any:
@@ -100,6 +108,16 @@ def _broken_iterator(case: str, mbs: list[dict]) -> Any:
         return iter([{**mb, "loss_mask": mb["loss_mask"] * 0.5} for mb in mbs])
     if case == "short":
         return iter(mbs[:1])
+    if case == "group-id-range":  # the last sequence's id is the range itself
+        return iter(
+            [{**mb, "group_ids": mb["group_ids"].clone().fill_(mb["num_groups"])} for mb in mbs]
+        )
+    if case == "group-id-float":
+        return iter([{**mb, "group_ids": mb["group_ids"].float()} for mb in mbs])
+    if case == "group-ids-missing":
+        return iter([{k: v for k, v in mb.items() if k != "group_ids"} for mb in mbs])
+    if case == "group-range-disagree":
+        return iter([{**mb, "num_groups": mb["num_groups"] + 1} for mb in mbs])
     return iter(mbs)
 
 
@@ -107,6 +125,22 @@ def refusal_case(
     case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
 ) -> tuple[str, str | None, float]:
     """Pool worker (world 4): see the module docstring."""
+    return _refusal_step(case, mode, bad_rank, hold_s)[0]
+
+
+def refusal_and_gradient(
+    case: str, mode: str = "token_mean", bad_rank: int = 3, hold_s: float = 60.0
+) -> tuple[str, str | None, float, float]:
+    """Pool worker (world 4): :func:`refusal_case`'s outcome and the largest absolute gradient
+    entry this rank's model holds after the step (0 where nothing was trained)."""
+    outcome, chunks = _refusal_step(case, mode, bad_rank, hold_s)
+    largest = max(float(p.main_grad.abs().max()) for c in chunks for p in c.parameters())
+    return (*outcome, largest)
+
+
+def _refusal_step(
+    case: str, mode: str, bad_rank: int, hold_s: float
+) -> tuple[tuple[str, str | None, float], list]:
     import torch.distributed as dist
 
     if case not in CASES:
@@ -127,6 +161,7 @@ def refusal_case(
     start = dp_rank * per_rank
     mbs = [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
+        | id_ranges(oracle)
         for k in range(m)
     ]
     iterator = _broken_iterator(case, mbs) if rank == bad_rank else iter(mbs)
@@ -149,17 +184,18 @@ def refusal_case(
         outcome = (type(exc).__name__, str(exc), time.monotonic() - t0)
     # Stay connected (as a live process would) until every rank is done or hold_s passed.
     _meet(store, "done", world, hold_s)
-    return outcome
+    return outcome, chunks
 
 
-def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
-    """Per group, the seconds of ``reps`` agreement-sized all-reduces, each with its host read
-    (the read is what makes the step wait for the result)."""
+def _allreduce_seconds(reps: int, *groups: Any, vec: Any = None) -> list[list[float]]:
+    """Per group, the seconds of ``reps`` all-reduces of ``vec`` (default: an agreement-sized
+    vector), each with its host read (the read is what makes the step wait for the result)."""
     import torch
     import torch.distributed as dist
 
-    settings = StepSettings("token_mean", per_token=False)
-    vec = Agreement.of_rank(settings, num_counts=2, device=torch.device("cpu")).to_tensor()
+    if vec is None:
+        settings = StepSettings("token_mean", per_token=False)
+        vec = Agreement.of_rank(settings, num_counts=2, device=torch.device("cpu")).to_tensor()
     out: list[list[float]] = [[] for _ in groups]
     for _ in range(reps):
         for group, seconds in zip(groups, out, strict=True):
@@ -168,6 +204,39 @@ def _allreduce_seconds(reps: int, *groups: Any) -> list[list[float]]:
             vec.tolist()
             seconds.append(time.perf_counter() - start)
     return out
+
+
+def _step_milliseconds(
+    variants: tuple[str, ...], chunks: list, mbs: list[dict], seq_length: int, steps: int
+) -> dict[str, float]:
+    """Median milliseconds of a whole training step (2 micro-batches of 2) per variant:
+    ``stock`` (Megatron's schedule) or a mode through ``LossFixSchedule``."""
+    import statistics
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    step_ms: dict[str, list[float]] = {variant: [] for variant in variants}
+    for _ in range(steps):
+        for variant in variants:
+            func = (
+                get_forward_backward_func()
+                if variant == "stock"
+                else LossFixSchedule(LossFixConfig(reduction=variant, self_check=False))
+            )
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            start = time.perf_counter()
+            func(
+                forward_step_func=partial(_forward_step, False),
+                data_iterator=iter(mbs),
+                model=chunks[0],
+                num_microbatches=2,
+                seq_length=seq_length,
+                micro_batch_size=2,
+                forward_only=False,
+            )
+            step_ms[variant].append((time.perf_counter() - start) * 1e3)
+    return {f"{k}_ms": statistics.median(v) for k, v in step_ms.items()}
 
 
 def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
@@ -181,7 +250,6 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
     import statistics
 
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = init_layout(Layout(pp=2))
     oracle = OracleCase(global_batch_size=8, seq_length=16)
@@ -197,29 +265,45 @@ def verdict_cost(reps: int = 300, steps: int = 8) -> dict[str, float]:
         {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
         for k in range(2)
     ]
-    step_ms: dict[str, list[float]] = {"stock": [], "token_mean": []}
-    for _ in range(steps):
-        for variant in step_ms:
-            func = (
-                get_forward_backward_func()
-                if variant == "stock"
-                else LossFixSchedule(LossFixConfig(reduction=variant))
-            )
-            for chunk in chunks:
-                chunk.zero_grad_buffer()
-            start = time.perf_counter()
-            func(
-                forward_step_func=partial(_forward_step, False),
-                data_iterator=iter(mbs),
-                model=chunks[0],
-                num_microbatches=2,
-                seq_length=oracle.seq_length,
-                micro_batch_size=2,
-                forward_only=False,
-            )
-            step_ms[variant].append((time.perf_counter() - start) * 1e3)
     return {
         "allreduce_us": statistics.median(times) * 1e6,
         "dp_allreduce_us": statistics.median(dp_times) * 1e6,
-        **{f"{k}_ms": statistics.median(v) for k, v in step_ms.items()},
+        **_step_milliseconds(("stock", "token_mean"), chunks, mbs, oracle.seq_length, steps),
+    }
+
+
+def group_counts_cost(num_groups: int = 4096, reps: int = 300, steps: int = 8) -> dict[str, float]:
+    """Pool worker (DP = world size): what ``group_mean``'s one extra all-reduce costs.
+
+    ``agreement_us`` / ``group_counts_us``: median time of one agreement-sized all-reduce and of
+    one all-reduce of ``num_groups`` float64 per-group counts over the DP group (gloo, each with
+    a host read). ``token_mean_ms`` / ``group_mean_ms``: median time of a whole training step
+    (tiny GPT, 2 micro-batches of 2 sequences) through the plugin, the second with group ids in
+    ``[0, num_groups)``, for scale."""
+    import statistics
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    layout = init_layout(Layout())
+    dp = ps.get_data_parallel_world_size()
+    oracle = OracleCase(global_batch_size=4 * dp, seq_length=16)
+    chunks, config = build_tiny_gpt(layout, seq_len=oracle.seq_length)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    (agreement,) = _allreduce_seconds(reps, group)
+    counts = torch.zeros(num_groups, dtype=torch.float64)
+    (per_group,) = _allreduce_seconds(reps, group, vec=counts)
+    dp_rank = ps.get_data_parallel_rank()
+    batch = make_global_batch(oracle, config.vocab_size)
+    # Sequences spread over the whole id range: most groups are empty, as in a large step.
+    batch["group_ids"] = torch.arange(oracle.global_batch_size) * (num_groups // 8 // dp)
+    mbs = [
+        {key: t[dp_rank * 4 + k * 2 : dp_rank * 4 + (k + 1) * 2] for key, t in batch.items()}
+        | {"num_groups": num_groups}
+        for k in range(2)
+    ]
+    return {
+        "agreement_us": statistics.median(agreement) * 1e6,
+        "group_counts_us": statistics.median(per_group) * 1e6,
+        **_step_milliseconds(("token_mean", "group_mean"), chunks, mbs, oracle.seq_length, steps),
     }

@@ -13,7 +13,7 @@ A stack module provides:
   aggregation modes that have a counterpart among the plugin's;
 * ``LAYOUTS``: the layouts it runs without ``--layouts``;
 * ``DISTRIBUTION``: the framework's package name (``importlib.metadata``), to say what is
-  missing;
+  missing; ``MIN_VERSION`` (optional): the oldest release the stack runs;
 * ``TERMS`` (optional): ``{--terms value: the modes it allows}``, where the stack audits more
   than its whole objective (SkyRL: KL and entropy alone, its SFT path);
 * ``run_stack(opts, options, *, pool, progress, worker=...) -> AuditReport`` (``options``: the

@@ -7,10 +7,19 @@ configured with SkyRL's own ``TrainerConfig`` (PPO ``regular`` policy loss, k3 K
 coefficients above zero). Two rows per mode:
 
 - ``skyrl``: as released: advantages pre-scaled on the driver by SkyRL's
-  ``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch, then SkyRL's
-  ``loss_func`` with its ``num_microbatches x dp`` factor and per-micro-batch KL/entropy means;
+  ``apply_loss_reduction_to_advantages_minibatch`` over the whole mini-batch (``prompt_mean``
+  with the mini-batch's ``prompt_boundaries``), then SkyRL's ``loss_func`` with its
+  ``num_microbatches x dp`` factor and per-micro-batch KL/entropy means, and the gradient sync
+  SkyRL defers to its optimizer step (``run_pending_grad_sync``);
 - ``skyrl+lossfix``: the same step through :class:`~megatron_lossfix.integrations.skyrl.
-  LossFixModelWrapper` with raw advantages.
+  LossFixModelWrapper` with raw advantages (and, for ``prompt_mean``, each row's prompt in the
+  micro-batches, as :func:`~megatron_lossfix.integrations.skyrl.group_ids_from_boundaries`
+  gives it).
+
+The mini-batch's prompts are consecutive blocks of
+:data:`~megatron_lossfix.audit.oracle_case.PROMPT_GROUP_SIZES` sequences, so that prompts
+straddle DP ranks and micro-batches; every prompt has a loss token (where one has none, SkyRL's
+``prompt_mean`` still counts it: docs/design.md §2).
 
 Both are compared with one one-rank, one-micro-batch reference of the exact objective
 ``sum(w * (pg + kl_coef * kl - entropy_coef * entropy))`` with the plugin's weights ``w`` of the
@@ -20,6 +29,10 @@ mode (docs/design.md §2: regularizers use the same weights). ``terms`` picks wh
 loss-token count as its ``DefaultCollator`` does) against ``sum(w * nll)``, ``token_mean`` only.
 
 The harness (data, layouts, reference) is ours; SkyRL's code runs unchanged from its package.
+SkyRL 0.4.0's model wrapper imports two functions from ``megatron.bridge.peft.utils`` that no
+Megatron Bridge on the package index has yet (SkyRL pins a development Bridge); where they are
+missing, :func:`provide_bridge_finalizer` supplies what they are for a model without adapters
+(Megatron-Core's ``finalize_model_grads``).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import torch
 
 from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
 from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan, relative_error
+from megatron_lossfix.audit.oracle_case import prompt_groups
 from megatron_lossfix.audit.report import AuditReport, Progress
 
 __all__ = [
@@ -40,9 +54,11 @@ __all__ = [
     "ENTROPY_COEF",
     "KL_COEF",
     "LAYOUTS",
+    "MIN_VERSION",
     "MODES",
     "ROWS",
     "TERMS",
+    "provide_bridge_finalizer",
     "run_stack",
     "skyrl_batch",
     "skyrl_layout_grads",
@@ -50,12 +66,16 @@ __all__ = [
 ]
 
 DISTRIBUTION = "skyrl"
-#: SkyRL's ``algorithm.loss_reduction`` values; each is the plugin mode of the same name.
+#: The oldest SkyRL whose Megatron path this stack runs (``prompt_mean``, the deferred sync).
+MIN_VERSION = "0.4"
+#: SkyRL's ``algorithm.loss_reduction`` values; each is the plugin mode of the same name
+#: (``prompt_mean``: the alias of ``group_mean``).
 MODES: tuple[str, ...] = (
     "token_mean",
     "token_mean_legacy",
     "sequence_mean",
     "seq_mean_token_sum_norm",
+    "prompt_mean",
 )
 ROWS: tuple[str, ...] = ("skyrl", "skyrl+lossfix")
 #: ``--terms``: what a run audits (module docstring) -> the modes it allows.
@@ -87,6 +107,41 @@ def stack_case(opts: Any, layout: MatrixLayout) -> OracleCase:
     return dataclasses.replace(case, model_kwargs=model)
 
 
+def provide_bridge_finalizer() -> None:
+    """Give ``megatron.bridge.peft.utils`` the two functions SkyRL 0.4.0's model wrapper
+    imports where the installed Megatron Bridge (or none) lacks them: for a model without
+    adapters, Bridge's ``finalize_model_grads_with_expert_adapter_sync`` is Megatron-Core's
+    ``finalize_model_grads`` (its extra sum of expert-parallel adapter gradients has nothing to
+    sum), and ``enable_expert_parallel_grad_sync_in_finalize`` finds no adapter parameters."""
+    import sys
+    import types
+
+    from megatron.core.distributed import finalize_model_grads
+
+    names = ("enable_expert_parallel_grad_sync_in_finalize",
+             "finalize_model_grads_with_expert_adapter_sync")  # fmt: skip
+    try:
+        from megatron.bridge.peft import utils
+    except ImportError:
+        utils = None
+        for name in ("megatron.bridge", "megatron.bridge.peft", "megatron.bridge.peft.utils"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        utils = sys.modules["megatron.bridge.peft.utils"]
+        sys.modules["megatron.bridge.peft"].utils = utils
+        sys.modules["megatron.bridge"].peft = sys.modules["megatron.bridge.peft"]
+    if all(hasattr(utils, name) for name in names):
+        return
+
+    def no_adapters(model: Any) -> int:
+        return 0
+
+    def finalize(model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
+        finalize_model_grads(model, num_tokens, **kwargs)
+
+    utils.enable_expert_parallel_grad_sync_in_finalize = no_adapters
+    utils.finalize_model_grads_with_expert_adapter_sync = finalize
+
+
 # ------------------------------------------------------------------------------ data
 
 
@@ -109,6 +164,7 @@ def skyrl_batch(case: OracleCase, vocab_size: int, terms: str = "all") -> dict[s
         # sequence, so MoE runs attend to whole rows (the loss masks still vary).
         attention_mask = torch.ones_like(attention_mask)
     loss_mask = (torch.arange(num_actions)[None, :] < response[:, None]).float()
+    group_ids, num_groups = prompt_groups(b)
     base = -torch.log(torch.tensor(float(vocab_size)))
     old = base + 0.3 * torch.randn(b, num_actions, generator=gen)
     ref = base + 0.3 * torch.randn(b, num_actions, generator=gen)
@@ -124,6 +180,8 @@ def skyrl_batch(case: OracleCase, vocab_size: int, terms: str = "all") -> dict[s
         "base_action_log_probs": ref,
         "advantages": adv * loss_mask,
         "loss_mask": loss_mask,
+        "group_ids": group_ids,
+        "num_groups": num_groups,
     }
 
 
@@ -143,25 +201,41 @@ def _trainer_config(mode: str, case: OracleCase, cp: int) -> Any:
     return cfg
 
 
+def _boundaries(group_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """SkyRL's ``prompt_boundaries`` of consecutive group ids: ``(start, end)`` per prompt."""
+    ids = group_ids.tolist()
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    return list(zip(starts, [*starts[1:], len(ids)], strict=True))
+
+
 def _micro_batches(
     batch: dict[str, Any],
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     sizes: Sequence[int],
     start: int,
+    groups: bool,
 ) -> list[dict[str, Any]]:
-    """This DP rank's micro-batches, as SkyRL's worker builds them (``forward_backward``)."""
+    """This DP rank's micro-batches, as SkyRL's worker builds them (``forward_backward``);
+    with ``groups`` each also carries its rows' ``group_ids`` and the mini-batch's
+    ``num_groups`` (what the adapter reads for ``prompt_mean``)."""
     out, at = [], start
+    own = ("advantages", "loss_mask", "group_ids", "num_groups")
     for size in sizes:
         part = {
             k: (v[at : at + size] if torch.is_tensor(v) else v)
             for k, v in batch.items()
-            if k not in ("advantages", "loss_mask")
+            if k not in own
         }
+        if groups:
+            part.update(
+                group_ids=batch["group_ids"][at : at + size], num_groups=batch["num_groups"]
+            )
         part.update(
             advantages=advantages[at : at + size],
             loss_mask=loss_mask[at : at + size],
             rollout_action_logprobs=None,
+            rollout_expert_indices=None,
             action_mask=None,
             num_microbatches=len(sizes),
             num_real_microbatches=len(sizes),
@@ -179,6 +253,8 @@ def _run_row(
 ) -> None:
     """One SkyRL training step (forward and backward) of ``row`` on this rank."""
     from megatron.core import parallel_state as ps
+
+    provide_bridge_finalizer()
     from skyrl.backends.skyrl_train.utils.ppo_utils import (
         PolicyLossRegistry,
         apply_loss_reduction_to_advantages_minibatch,
@@ -202,6 +278,7 @@ def _run_row(
         loss_fn = "cross_entropy"
         if row == "skyrl":  # DefaultCollator: the mask over the mini-batch's loss-token count
             loss_mask = loss_mask / loss_mask.sum().clamp(min=1)
+    boundaries = _boundaries(batch["group_ids"])
     if row == "skyrl":
         # The driver's pre-scaling over the whole mini-batch (trainer._normalize_advantages).
         advantages = apply_loss_reduction_to_advantages_minibatch(
@@ -210,16 +287,22 @@ def _run_row(
             loss_reduction=mode,
             micro_batch_size=sizes[0],
             max_seq_len=cfg.algorithm.max_seq_len,
+            prompt_boundaries=boundaries if mode == "prompt_mean" else None,
         )
     else:
-        # The two changes a SkyRL user makes (integrations/skyrl.py).
+        # The changes a SkyRL user makes (integrations/skyrl.py).
         advantages = adapter.raw_advantages(batch["advantages"], batch["loss_mask"])
         wrapper = adapter.LossFixModelWrapper.from_wrapper(wrapper)
+        ids = adapter.group_ids_from_boundaries(boundaries, batch["sequences"].shape[0])
+        batch = {**batch, "group_ids": ids.to(batch["group_ids"].device)}
     start = sum(sum(p) for p in plan[:dp_rank])
-    mbs = _micro_batches(batch, advantages, loss_mask, sizes, start)
+    groups = row != "skyrl" and mode == "prompt_mean"
+    mbs = _micro_batches(batch, advantages, loss_mask, sizes, start, groups)
     wrapper.forward_backward_mini_batch(
         mbs, seq_len=batch["sequences"].shape[1], micro_batch_size=sizes[0], loss_fn=loss_fn
     )
+    # SkyRL defers Megatron's gradient reduction to its optimizer step.
+    wrapper.run_pending_grad_sync()
 
 
 def skyrl_layout_grads(

@@ -63,7 +63,7 @@ def _stack_modes() -> dict[str, StackMode]:
 #: the case's ``norm_constant``.
 MODES: dict[str, StackMode] = _stack_modes()
 
-#: ``--stack verl`` without ``--layouts``: DP, PP, CP, TP and an EP2 MoE layout (the README's).
+#: ``--stack verl`` without ``--layouts``: DP, PP, CP, TP and an EP2 MoE layout (the verl page's).
 LAYOUTS = ("dp2-m3", "pp2-m4", "cp2-m3", "tp2-m3", "dp2-ep2-m3")
 
 ROW = "verl"

@@ -1,0 +1,122 @@
+"""Group ids: which prompt group (``group_mean``) or trajectory (the sequence modes) each
+sequence belongs to, checked and counted (pure torch, docs/design.md §2).
+
+A step's sequences may carry an integer id, global over the step, in ``[0, count)``: one per
+row of a micro-batch, or per packed sequence (``cu_seqlens``). The counts then hold each
+group's loss tokens, summed over every micro-batch and every DP and CP rank
+(``reduction.count_tokens``); a group without a loss token neither contributes nor counts.
+Ids are checked in two parts: their structure on the host (:func:`check_ids`, no device sync)
+and their range on the device (:func:`bad_id_values`, read with the step's agreement), before
+any count indexes with them.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "TRAJECTORY_MODES",
+    "GroupIds",
+    "bad_id_message",
+    "bad_id_values",
+    "check_ids",
+    "group_tokens",
+    "id_count",
+    "ids_for_mode",
+    "missing_group_ids_message",
+]
+
+#: The modes that weight by trajectory when sequences carry trajectory ids (a trajectory split
+#: into several rows counts once); without them each row (packed sequence) is a sequence.
+TRAJECTORY_MODES: tuple[str, ...] = ("sequence_mean", "seq_mean_token_sum_norm")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupIds:
+    """The group of each sequence of a rank's micro-batches."""
+
+    ids: list[torch.Tensor]
+    """Per micro-batch, the group of each sequence (row, or packed sequence), ``[sequences]``."""
+    count: int
+    """The ids' range: every id is in ``[0, count)``."""
+    name: str = "group_ids"
+    """What the ids are called where the user gave them (for messages)."""
+
+
+def ids_for_mode(reduction: str) -> str | None:
+    """Which ids ``reduction`` weights by: ``"group"`` (needed), ``"trajectory"`` (optional)
+    or None."""
+    if reduction == "group_mean":
+        return "group"
+    return "trajectory" if reduction in TRAJECTORY_MODES else None
+
+
+def id_count(count: object, count_name: str) -> int:
+    """The ids' range as an int: an integer (or one-element integer tensor) >= 1."""
+    if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        raise ValueError(f"{count_name} must be an integer >= 1 (the ids' range), got {count!r}")
+    return int(count)
+
+
+def check_ids(ids: object, count: object, rows: Sequence[int], name: str, count_name: str) -> int:
+    """Check the ids' structure without a device sync and return the range as an int.
+
+    ``ids``: one integer tensor per micro-batch with ``rows[k]`` entries; ``count``: see
+    :func:`id_count`. Raises ``ValueError`` in one line naming ``name``."""
+    if isinstance(ids, torch.Tensor) or not isinstance(ids, Sequence):
+        raise ValueError(
+            f"{name} must be a list with one integer tensor per micro-batch, got "
+            f"{type(ids).__name__}"
+        )
+    if len(ids) != len(rows):
+        raise ValueError(f"{name} has {len(ids)} entries for {len(rows)} micro-batches")
+    count = id_count(count, count_name)
+    for k, (vec, num) in enumerate(zip(ids, rows, strict=True)):
+        if not isinstance(vec, torch.Tensor):
+            raise ValueError(f"{name} of micro-batch {k} is a {type(vec).__name__}, not a Tensor")
+        if vec.is_floating_point() or vec.is_complex() or vec.dtype == torch.bool:
+            raise ValueError(
+                f"{name} of micro-batch {k} must hold integers (one id per sequence), got "
+                f"dtype {vec.dtype}"
+            )
+        if tuple(vec.shape) != (num,):
+            raise ValueError(
+                f"{name} of micro-batch {k} must have one id per sequence, shape ({num},), got "
+                f"{tuple(vec.shape)}"
+            )
+    return count
+
+
+def bad_id_values(groups: GroupIds) -> torch.Tensor:
+    """Per micro-batch, on the device: does an id fall outside ``[0, groups.count)``?"""
+    return torch.stack([((ids < 0) | (ids >= groups.count)).any() for ids in groups.ids])
+
+
+def bad_id_message(groups: GroupIds, k: int) -> str:
+    return (
+        f"{groups.name} of micro-batch {k} must lie in [0, {groups.count}) (the step's id "
+        "range); found a negative or out-of-range id"
+    )
+
+
+def missing_group_ids_message(ids_key: str = "group_ids", count_key: str = "num_groups") -> str:
+    return (
+        f"reduction 'group_mean' (prompt_mean) needs each sequence's group id: put {ids_key!r} "
+        f"(one integer per sequence) and the id range {count_key!r} into every micro-batch "
+        "(loss_weights: group_ids= and num_groups=)"
+    )
+
+
+def group_tokens(seq_tokens: Sequence[torch.Tensor], groups: GroupIds) -> torch.Tensor:
+    """The loss tokens of each group, ``[groups.count]`` float64, from the per-sequence counts
+    ``seq_tokens`` (one vector per micro-batch, aligned with ``groups.ids``)."""
+    flat = torch.cat(list(seq_tokens))
+    ids = torch.cat([i.to(device=flat.device, dtype=torch.long) for i in groups.ids])
+    out = torch.zeros(groups.count, dtype=flat.dtype, device=flat.device)
+    return out.index_add_(0, ids, flat)

@@ -1,0 +1,90 @@
+"""The pages whose commands the tests run: the README, then the documentation site's pages
+(``docs/``, in the order of ``mkdocs.yml``'s navigation, then any page it leaves out).
+
+Which fenced blocks claim to run:
+
+* ``bash``/``sh`` blocks: every line is a command (a line ending in ``\\`` goes on in the next);
+* ``console`` and unlabeled blocks: the ``$ `` lines when there are any (the rest is output),
+  else every line;
+* ``python`` blocks: the code, as printed;
+* ``text`` blocks are templates for the reader's own setup, never run: each of their commands
+  holds a placeholder (``<your flags>``, ``torchrun ...``, ``/path/to/...``);
+  :data:`PLACEHOLDER` is what counts as one, and a test holds every ``text`` block to it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
+#: What marks a line of a ``text`` block as a template rather than a command.
+PLACEHOLDER = re.compile(r"<[^>]+>|\.\.\.|/path/to/")
+
+
+def pages() -> list[Path]:
+    """README.md, then the site's pages in navigation order, then the pages not in it."""
+    docs = ROOT / "docs"
+    nav = re.findall(r"^\s*-\s+[^:\n]+:\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    listed = [docs / name for name in nav if (docs / name).is_file()]
+    rest = sorted(p for p in docs.glob("*.md") if p not in listed)
+    return [ROOT / "README.md", *listed, *rest]
+
+
+def text() -> str:
+    """Every page, one after the other (for the figures the pages state)."""
+    return "\n".join(page.read_text() for page in pages())
+
+
+def blocks(*langs: str) -> list[tuple[Path, str, str]]:
+    """``(page, language, body)`` of every fenced block, in page order; only ``langs`` if given."""
+    out = []
+    for page in pages():
+        for lang, body in _FENCE.findall(page.read_text()):
+            if not langs or lang in langs:
+                out.append((page, lang, body))
+    return out
+
+
+def _lines(body: str) -> list[str]:
+    """The block's lines, stripped, with ``\\`` continuations joined into one."""
+    out: list[str] = []
+    carry = ""
+    for raw in body.splitlines():
+        line = raw.strip()
+        if not line and not carry:
+            continue
+        if line.endswith("\\"):
+            carry += line[:-1].rstrip() + " "
+            continue
+        out.append(carry + line)
+        carry = ""
+    if carry:
+        out.append(carry.rstrip())
+    return out
+
+
+def block_commands(lang: str, body: str) -> list[str]:
+    """The commands of one shell block (see the module docstring)."""
+    lines = _lines(body)
+    if lang in ("bash", "sh"):
+        return lines
+    prompts = [line[2:] for line in lines if line.startswith("$ ")]
+    return prompts or lines
+
+
+def commands() -> list[str]:
+    """Every command of the pages that claims to run, in page order, each once."""
+    out: list[str] = []
+    for _, lang, body in blocks("", "bash", "sh", "console"):
+        out += [c for c in block_commands(lang, body) if c not in out]
+    return out
+
+
+def bash_lines() -> list[str]:
+    """The commands of the ``bash`` blocks alone, each once."""
+    out: list[str] = []
+    for _, lang, body in blocks("bash"):
+        out += [c for c in block_commands(lang, body) if c not in out]
+    return out
