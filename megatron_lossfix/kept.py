@@ -21,7 +21,9 @@ Under ``mask_in_loss`` the kept counts are known only after the forward passes. 
   ``sequence_mean``: ``keep / n_s``; ``seq_mean_token_sum_norm``: ``keep / C``) and the step
   scales the gradients once after Megatron's schedule by the global part (1/N or 1/S);
 * ``COUNT`` then ``REPLAY``: a forward-only counting pass records the kept masks, the step counts
-  them like loss masks, and the real pass's loss gets the weights of those masks;
+  them like loss masks, and the real pass's loss gets the weights of those masks (always for
+  weights over group ids: ``group_mean``'s kept groups and their kept tokens, the sequence modes'
+  trajectories, whose counts span micro-batches with a different factor per group);
 * ``ZERO``: the zeroed semantics; the kept counts only feed the metrics.
 
 Every phase checks the kept mask on the device (0/1 values, the same for every call of one
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.group_ids import GroupIds, group_tokens
 from megatron_lossfix.groups import group_size
 from megatron_lossfix.reduction import StepCounts, weights_from_counts
 
@@ -68,13 +71,17 @@ class Phase(enum.Enum):
     REPLAY = "replay"
 
 
-def phase_for(mode: str, mask_in_loss: bool, counting_pass: bool, side_paths: bool) -> Phase:
+def phase_for(
+    mode: str, mask_in_loss: bool, counting_pass: bool, side_paths: bool, grouped: bool = False
+) -> Phase:
     """The phase a step starts in. ``counting_pass``: asked for (every mode counts first);
     ``side_paths``: the gradient has terms besides the loss, which a scale after the schedule
-    would rescale (the modes that wait for a global count count first)."""
+    would rescale (the modes that wait for a global count count first); ``grouped``: the
+    weights are over group ids (``group_mean``, trajectories), a factor per group that spans
+    micro-batches, which no scale after the schedule can apply (counted first)."""
     if not mask_in_loss:
         return Phase.ZERO
-    if counting_pass:
+    if counting_pass or grouped or mode == "group_mean":
         return Phase.COUNT
     if mode in _LOCAL_MODES:
         return Phase.LOCAL
@@ -162,6 +169,10 @@ class KeptStep:
     """Report entries declared with :func:`weighted_stats`."""
     replay: list[torch.Tensor] | None = None
     """``REPLAY``: the real pass's weights of each micro-batch (CP shards as the loss sees them)."""
+    group_ids: GroupIds | None = None
+    """Where the weights are over groups: each sequence's group (``COUNT`` only)."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """Where the kept tokens of each group are summed (the step's DP x CP group)."""
 
     def __post_init__(self) -> None:
         m = len(self.rows)
@@ -177,6 +188,8 @@ class KeptStep:
         """``COUNT``: the kept masks (float32) the counting pass recorded."""
         self._first: dict[int, torch.Tensor] = {}
         self.called: list[bool] = [False] * m
+        self.group_counts: torch.Tensor | None = None
+        """After a counting pass over groups: the kept tokens of each group, global."""
 
     @property
     def cp_size(self) -> int:
@@ -367,6 +380,7 @@ class KeptStep:
         self.replay = weights_from_counts(
             masks, counts, mode, norm_constant=norm_constant, segment_ids=self.segment_ids
         )
+        self.group_counts = counts.group_tokens
         self.phase = Phase.REPLAY
         self._first.clear()
         self.called = [False] * len(self.rows)
@@ -379,12 +393,21 @@ class KeptStep:
             c.to(device) if c is not None else torch.zeros(r, dtype=_COUNT_DTYPE, device=device)
             for c, r in zip(self.seq_kept, self.rows, strict=True)
         ]
+        per_group = None
+        if self.group_ids is not None:
+            # One all-reduce of the kept tokens per group; CP ranks hold whole sequences.
+            per_group = group_tokens(seq, self.group_ids)
+            if group_size(self.dp_cp_group) > 1:
+                dist.all_reduce(per_group, group=self.dp_cp_group)
+            per_group = per_group / float(self.cp_size)
         return StepCounts(
             num_tokens=num_tokens,
             num_sequences=num_sequences,
             seq_tokens=seq,
             mb_tokens=torch.stack([c.sum() for c in seq]),
             dp_size=self.dp_size,
+            group_tokens=per_group,
+            group_ids=None if self.group_ids is None else list(self.group_ids.ids),
         )
 
 

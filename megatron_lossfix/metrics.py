@@ -109,8 +109,15 @@ def _kept_metrics(record: StepRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"kept_token_fraction": kept.num_tokens / max(tokens, 1.0)}
     if kept.num_sequences is not None:
         out["kept_sequence_fraction"] = kept.num_sequences / max(sequences, 1.0)
+    kept_groups = None if record.kept is None else record.kept.group_counts
+    if kept_groups is not None and record.counts.group_tokens is not None:
+        kept_groups = (kept_groups > 0).sum()
+        groups = (record.counts.group_tokens > 0).sum().clamp(min=1)
+        out["kept_group_fraction"] = kept_groups / groups
     if record.config.mask_in_loss:
         out["num_tokens"] = kept.num_tokens
         if kept.num_sequences is not None:
             out["num_sequences"] = kept.num_sequences
+        if kept_groups is not None:
+            out["num_groups"] = kept_groups
     return out

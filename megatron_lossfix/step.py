@@ -98,6 +98,9 @@ class StepRecord:
     """The masks the loss decided (loss stage, plugin modes)."""
     kept_counts: KeptCounts | None = None
     """Their agreed counts (every rank; None where no loss said what it kept)."""
+    grouped: bool = False
+    """Whether the weights are over group ids (``group_mean``; the sequence modes with
+    trajectory ids), as agreed by every rank of the step."""
     loss_scale: float = 1.0
     """What each recorded contribution is multiplied by to give L: the global factor a
     ``DEFERRED`` step applied to its gradients after the schedule (1 otherwise)."""
@@ -219,7 +222,8 @@ class Step:
             record.problem = unreduced  # the fix to name first: no step can be right without it
         mtp_masks = [reduction.shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
         mtp_counts = _agree(record, data, mtp_masks)
-        record.phase = _kept_phase(cfg, record.model_config, bool(call.get("forward_only")))
+        forward_only = bool(call.get("forward_only"))
+        record.phase = _kept_phase(cfg, record.model_config, forward_only, record.grouped)
         schedule = self.inner or megatron_compat.schedule_for(model, record.groups.pp)
         forward_step_func = call["forward_step_func"]
         batches = None
@@ -368,6 +372,7 @@ def _agree(
     sums = agreed.verdict(groups.pp_size, problem, settings, late=late)
     if by_ids:
         _agree_on_id_range(sums[-2:], groups, data.group_ids)
+        record.grouped = sums[-2] > 0
     if not groups.is_last_stage:
         return []
     ids = data.group_ids
@@ -485,15 +490,18 @@ def _weigh(
     return batches
 
 
-def _kept_phase(config: LossFixConfig, model_config: Any, forward_only: bool) -> Phase:
+def _kept_phase(
+    config: LossFixConfig, model_config: Any, forward_only: bool, grouped: bool
+) -> Phase:
     """The step's :class:`~megatron_lossfix.kept.Phase`, the same on every rank: it depends on
-    the config, the model and the call only. A ``mask_in_loss`` step counts in a pass of its
-    own where asked to, or where a gradient scale after the schedule would also rescale terms
-    outside the loss; a forward-only call (evaluation) has no gradient, and its loss waits
-    for the counts."""
+    the config, the model, the call and the agreed presence of group ids only. A
+    ``mask_in_loss`` step counts in a pass of its own where asked to, where a gradient scale
+    after the schedule would also rescale terms outside the loss, or where the weights are over
+    groups (no one scale is right); a forward-only call (evaluation) without groups has no
+    gradient, and its loss waits for the counts."""
     side_paths = bool(megatron_compat.gradient_side_paths(model_config)) and not forward_only
     counting = config.counting_pass and not forward_only
-    return phase_for(config.reduction, config.mask_in_loss, counting, side_paths)
+    return phase_for(config.reduction, config.mask_in_loss, counting, side_paths, grouped)
 
 
 def _kept_step(record: StepRecord, data: StepData) -> KeptStep:
@@ -513,6 +521,8 @@ def _kept_step(record: StepRecord, data: StepData) -> KeptStep:
         cp_group=groups.cp if groups.cp_size > 1 else None,
         norm_constant=record.config.norm_constant,
         segment_ids=data.segment_ids if packed else None,
+        group_ids=data.group_ids if record.grouped else None,
+        dp_cp_group=groups.dp_cp,
     )
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixConfig, loss_weights, weighted_loss
+from megatron_lossfix.group_ids import GroupIds
 from megatron_lossfix.kept import (
     KeptCounts,
     KeptStep,
@@ -40,7 +41,24 @@ def _data(seed, shapes=((3, 7), (1, 7), (4, 7))):
     return masks, keeps, losses
 
 
-def _step(mode, phase, masks, segment_ids=None):
+#: Ids of ``_data``'s sequences (rows 3, 1, 4), global over the step: group 1 straddles two
+#: micro-batches; ``_grouped_data`` drops group 3 whole.
+IDS = [torch.tensor([0, 0, 1]), torch.tensor([1]), torch.tensor([2, 2, 3, 3])]
+#: The cases whose weights are over ids: ``group_mean``'s prompt groups, and the sequence modes
+#: over trajectories. (case id, mode, loss_weights' keyword arguments)
+GROUPED = [
+    ("group_mean", "group_mean", {"group_ids": IDS, "num_groups": 4}),
+    ("sequence_mean-trajectories", "sequence_mean", {"trajectory_ids": IDS, "num_trajectories": 4}),
+    (
+        "seq_mean_token_sum_norm-trajectories",
+        "seq_mean_token_sum_norm",
+        {"trajectory_ids": IDS, "num_trajectories": 4},
+    ),
+]
+UNGROUPED = [(mode, mode, {}) for mode in REDUCTIONS if mode != "group_mean"]
+
+
+def _step(mode, phase, masks, segment_ids=None, ids=None):
     return KeptStep(
         mode=mode,
         phase=phase,
@@ -50,6 +68,7 @@ def _step(mode, phase, masks, segment_ids=None):
         cp_group=None,
         norm_constant=_norm(mode),
         segment_ids=segment_ids,
+        group_ids=None if ids is None else GroupIds(ids=ids, count=4),
     )
 
 
@@ -70,24 +89,39 @@ def _agreed(step):
     return KeptCounts(calls=calls, num_tokens=tokens, num_sequences=seqs), flags
 
 
+def _grouped_data(seed):
+    """``_data`` with group 3 (the last two rows) dropped whole by the kept masks: it leaves G
+    (as group 0 does, one row dropped and one empty)."""
+    masks, keeps, losses = _data(seed)
+    masks[2][2:, :2] = 1  # group 3 has loss tokens ...
+    keeps[2][2:] = False  # ... and keeps none
+    return masks, keeps, losses
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("mode", REDUCTIONS)
-def test_excluded_tokens_leave_the_counts(mode, seed):
+@pytest.mark.parametrize(
+    "mode, kwargs", [c[1:] for c in UNGROUPED + GROUPED], ids=[c[0] for c in UNGROUPED + GROUPED]
+)
+def test_excluded_tokens_leave_the_counts(mode, kwargs, seed):
     """mask_in_loss: the step's loss is the mode's normalization of the kept tokens alone,
     whether the weights are final in the loss (LOCAL), wait for their global factor
-    (DEFERRED) or come from a counting pass (COUNT, then REPLAY)."""
-    masks, keeps, losses = _data(seed)
+    (DEFERRED) or come from a counting pass (COUNT, then REPLAY). Weights over group ids
+    always count first, and a group whose every token is dropped leaves G."""
+    masks, keeps, losses = _grouped_data(seed)
+    norm = _norm(mode)
     kept_masks = [m * k for m, k in zip(masks, keeps, strict=True)]
-    want = sum(
-        float((w * x).sum())
-        for w, x in zip(
-            loss_weights(kept_masks, mode, norm_constant=_norm(mode)), losses, strict=True
-        )
-    )
-    weights = loss_weights(masks, mode, norm_constant=_norm(mode))  # what the step hands over
+    kept_weights_ = loss_weights(kept_masks, mode, norm_constant=norm, **kwargs)
+    want = sum(float((w * x).sum()) for w, x in zip(kept_weights_, losses, strict=True))
+    weights = loss_weights(masks, mode, norm_constant=norm, **kwargs)  # what the step hands over
+    grouped = bool(kwargs)
+    ids = kwargs.get("group_ids", kwargs.get("trajectory_ids"))
+    # Zeroed and still counted gives another loss (sum has no count): the check can fail.
+    zeroed = sum(float((w * k * x).sum()) for w, k, x in zip(weights, keeps, losses, strict=True))
+    assert (zeroed == pytest.approx(want, rel=1e-3)) == (mode == "sum")
     for counting in (False, True):
-        phase = phase_for(mode, True, counting, False)
-        step = _step(mode, phase, masks)
+        phase = phase_for(mode, True, counting, False, grouped)
+        assert phase is Phase.COUNT or not grouped
+        step = _step(mode, phase, masks, ids=ids if grouped else None)
         got = _loss_in_step(step, weights, keeps, losses)
         counts, flags = _agreed(step)
         assert counts.num_tokens == sum(float(m.sum()) for m in kept_masks)
@@ -98,18 +132,22 @@ def test_excluded_tokens_leave_the_counts(mode, seed):
         if phase is Phase.COUNT:
             step.counted(step.counts_of_pass(torch.tensor(counts.num_tokens).double(),
                                              torch.tensor(float(counts.num_sequences)).double()),
-                         mode, _norm(mode))  # fmt: skip
+                         mode, norm)  # fmt: skip
             assert step.phase is Phase.REPLAY
             got = _loss_in_step(step, weights, keeps, losses)
+            if grouped:  # the kept groups: 0 (rows dropped or empty) and 3 are gone
+                assert (step.group_counts > 0).tolist() == [False, True, True, False]
         assert got == pytest.approx(want, rel=1e-6, abs=1e-7), (mode, phase)
 
 
-@pytest.mark.parametrize("mode", REDUCTIONS)
-def test_zeroed_tokens_still_count(mode):
+@pytest.mark.parametrize(
+    "mode, kwargs", [c[1:] for c in UNGROUPED + GROUPED], ids=[c[0] for c in UNGROUPED + GROUPED]
+)
+def test_zeroed_tokens_still_count(mode, kwargs):
     """Default semantics: the step's weights times the kept mask (dropped tokens still count),
     the same as outside a plugin step."""
     masks, keeps, losses = _data(3)
-    weights = loss_weights(masks, mode, norm_constant=_norm(mode))
+    weights = loss_weights(masks, mode, norm_constant=_norm(mode), **kwargs)
     triples = list(zip(weights, keeps, losses, strict=True))
     want = sum(float((w * k * x).sum()) for w, k, x in triples)
     step = _step(mode, phase_for(mode, False, False, False), masks)
@@ -194,9 +232,10 @@ def test_shape_mismatch_raises_in_the_loss():
 
 def test_nothing_kept_gives_zero_and_no_nan():
     masks, _, losses = _data(6)
-    for mode in REDUCTIONS:
-        weights = loss_weights(masks, mode, norm_constant=_norm(mode))
-        step = _step(mode, phase_for(mode, True, False, False), masks)
+    for _, mode, kwargs in UNGROUPED + GROUPED:
+        weights = loss_weights(masks, mode, norm_constant=_norm(mode), **kwargs)
+        ids = kwargs.get("group_ids", kwargs.get("trajectory_ids"))
+        step = _step(mode, phase_for(mode, True, False, False, bool(kwargs)), masks, ids=ids)
         zero = [torch.zeros_like(m, dtype=torch.bool) for m in masks]
         got = _loss_in_step(step, weights, zero, losses)
         counts, _ = _agreed(step)
@@ -204,6 +243,11 @@ def test_nothing_kept_gives_zero_and_no_nan():
         if step.phase is Phase.DEFERRED:
             assert deferred_scale(mode, False, counts) == (1.0, 1.0)
             assert deferred_scale(mode, True, counts) == (1.0, 1.0)
+        if step.phase is Phase.COUNT:  # the real pass's weights: zero, not NaN
+            zero_count = torch.zeros((), dtype=torch.float64)
+            step.counted(step.counts_of_pass(zero_count, zero_count), mode, _norm(mode))
+            got = _loss_in_step(step, weights, zero, losses)
+            assert all(bool(torch.isfinite(w).all()) for w in step.replay)
         assert got == 0.0
 
 
@@ -258,5 +302,9 @@ def test_which_path_each_step_takes(mode):
     assert phase_for(mode, False, True, True) is Phase.ZERO
     assert phase_for(mode, True, True, False) is Phase.COUNT
     local = mode in ("sum", "token_mean_legacy")
-    assert phase_for(mode, True, False, False) is (Phase.LOCAL if local else Phase.DEFERRED)
+    waits = Phase.COUNT if mode == "group_mean" else Phase.DEFERRED
+    assert phase_for(mode, True, False, False) is (Phase.LOCAL if local else waits)
     assert phase_for(mode, True, False, True) is (Phase.LOCAL if local else Phase.COUNT)
+    # Weights over group ids (group_mean, trajectories): a factor per group, counted first.
+    assert phase_for(mode, True, False, False, True) is Phase.COUNT
+    assert phase_for(mode, False, False, False, True) is Phase.ZERO

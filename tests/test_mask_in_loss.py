@@ -80,6 +80,25 @@ def test_every_mode_with_a_mask_decided_in_the_loss(dist_pool, name):
     )
 
 
+@pytest.mark.parametrize("name", ["dp2-m3", "cp2-dp2-m2"])
+def test_kept_groups_and_trajectories(dist_pool, name):
+    """Weights over group ids take the counting pass: group_mean over the kept tokens of each
+    prompt group and the groups that keep one (groups straddle DP ranks and micro-batches), the
+    sequence modes over trajectories split into rows; zeroed and still counted misses."""
+    layout = parse_layout(name)
+    case = _masked_case(layout, trajectory_rows=2)
+    rows = ("group_mean", "sequence_mean", "seq_mean_token_sum_norm", "group_mean" + COUNTED_BEFORE)
+    checks = check_layout(
+        dist_pool, case, layout.parallel(), layout.world_size, layout.num_microbatches, rows
+    )
+    _assert_exact(checks, rows[:-1], name)
+    assert checks["group_mean" + COUNTED_BEFORE]["error"] > 100 * TOL, checks
+    metrics = checks["group_mean"]["result"]["metrics"]
+    before = checks["group_mean" + COUNTED_BEFORE]["result"]["metrics"]
+    assert 0 < metrics["kept_token_fraction"] < 1
+    assert metrics["num_groups"] <= before["num_groups"]
+
+
 @pytest.mark.parametrize("name", ["dp2-m3", "pp2-m3"])
 def test_megatrons_per_token_path(dist_pool, name):
     """calculate_per_token_loss=True: Megatron divides by the count the step hands it (the
@@ -166,6 +185,7 @@ def _kept_step(
 
     from megatron_lossfix import LossFixConfig, LossFixSchedule, slice_batch_for_cp, weighted_loss
     from megatron_lossfix.audit.oracle import make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.oracle_case import id_ranges
     from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
     from megatron_lossfix.audit.training import train_step
     from megatron_lossfix.losses import weighted_sum
@@ -180,7 +200,7 @@ def _kept_step(
     sizes = microbatch_plan(case, dp, layout.num_microbatches)
     start = sum(sum(s) for s in sizes[:dp_rank])
     rows = torch.split(torch.arange(start, start + sum(sizes[dp_rank])), sizes[dp_rank])
-    mbs = [{k: v[i] for k, v in batch.items()} for i in rows]
+    mbs = [{**{k: v[i] for k, v in batch.items()}, **id_ranges(case)} for i in rows]
     rank, cp_group = dist.get_rank(), ps.get_context_parallel_group()
 
     def forward_step(data_iterator, model):
@@ -249,8 +269,8 @@ def _kept_step(
 )
 @pytest.mark.parametrize(
     "name, mode, bad_rank",
-    [("pp2-dp2-m2", "token_mean", 3), ("cp2-m2", "sequence_mean", 1)],
-    ids=["pp2-dp2", "cp2-sequence-mean"],
+    [("pp2-dp2-m2", "token_mean", 3), ("cp2-m2", "sequence_mean", 1), ("dp2-m2", "group_mean", 1)],
+    ids=["pp2-dp2", "cp2-sequence-mean", "dp2-group-mean-counting-pass"],
 )
 def test_a_bad_kept_mask_on_one_rank_stops_every_rank(
     dist_pool, variant, match, name, mode, bad_rank
