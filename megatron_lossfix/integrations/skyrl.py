@@ -40,6 +40,7 @@ LM-head path and MTP draft training run SkyRL's own code unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -279,6 +280,10 @@ def _make_class() -> type:
                 lossfix = lossfix_config_for(self.cfg.algorithm)
             if isinstance(lossfix, str):
                 lossfix = LossFixConfig(reduction=lossfix)
+            # SkyRL defers the gradients' data-parallel reduction to its optimizer step
+            # (run_pending_grad_sync), so right after a step they are not yet equal on every
+            # rank: the first-step check runs only when asked for.
+            lossfix = dataclasses.replace(lossfix, self_check=bool(lossfix.self_check))
             self.lossfix_config = lossfix
             # One schedule for the wrapper's life: its per-model checks run once.
             self.lossfix_schedule = LossFixSchedule(lossfix)
