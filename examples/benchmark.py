@@ -4,21 +4,26 @@ The same GPT, data and data-parallel layout train under each variant: ``stock`` 
 ``get_forward_backward_func()``, no plugin, Megatron-LM's loss ``(sum(mask * l), mask.sum(),
 report)`` and its all-reduce of the report), ``stock-repeat`` (stock again: the noise floor),
 ``stock-per-token`` (``calculate_per_token_loss=True``), ``off`` and every mode through
-``LossFixSchedule`` (``self_check=False``: plain steps), ``token_mean-per-token``, and
+``LossFixSchedule`` (``self_check=False``: plain steps), ``token_mean-per-token``,
 ``token_mean-first-step`` (each step checked as the first step is by default, against plain
-``token_mean`` steps). Workloads: ``sft`` (``weighted_loss`` of the per-token cross entropy)
-and ``rl`` (``megatron_lossfix.rl.objective.rl_loss`` on the logits: PPO-clip and a k3 KL term
-against fixed rollout log-probs). A step: zero the grads, the schedule
+``token_mean`` steps), and masks decided in the loss (``token_mean+zeroed``,
+``token_mean+kept``, ``sequence_mean+kept``, ``token_mean+counting``: a filter on the loss, or
+an importance-ratio band and off-policy sequence masking; compared with ``token_mean`` without
+masks; ``benchmark_step.KEPT``). Workloads: ``sft`` (``weighted_loss`` of the
+per-token cross entropy) and ``rl`` (``megatron_lossfix.rl.objective.rl_loss`` on the logits:
+PPO-clip and a k3 KL term against fixed rollout log-probs). A step: zero the grads, the schedule
 (``fwd-bwd``: with DDP's all-reduce and ``finalize_model_grads``), ``optimizer.step()`` and the
 step's metrics (stock: Megatron-LM's all-reduce of ``lm loss``; plugin: ``step_metrics()``).
 
 Timing alternates the variants in one process per world size, round-robin (order rotated each
 round), a few steps each. Per round each variant's median step time is divided by its
 baseline's median of the same round, so drift from other work on the machine cancels; tables
-give the median of these ratios and their range. Memory: the step's tensor peak above what was
-allocated before it (GPU: ``max_memory_allocated``; CPU: the allocator's running total in
-torch.profiler's allocation records) and, unless ``--no-memory``, the peak of a fresh process
-per variant running both workloads (GPU: ``max_memory_allocated``; CPU: ``ru_maxrss``).
+give the median of these ratios and their range; the CPU-time ratio (this process's CPU seconds
+per step, rank 0) moves less than wall time when other work shares the CPU. Memory: the step's
+tensor peak above what was allocated before it (GPU: ``max_memory_allocated``; CPU: the
+allocator's running total in torch.profiler's allocation records) and, unless ``--no-memory``,
+the peak of a fresh process per variant running both workloads (GPU: ``max_memory_allocated``;
+CPU: ``ru_maxrss``).
 
 Launch (CPU/gloo; the driver starts ``torchrun --standalone`` per world size, then one per
 variant for the fresh-process peak)::
@@ -147,8 +152,8 @@ def _ratio(rounds: list[dict], name: str, base: str, key: str = "step_s") -> str
 def tables(args: argparse.Namespace, timing: dict, memory: dict) -> str:
     peak_kind = "GPU memory" if CUDA else "RSS"
     header = (
-        "| variant | vs | step ms | step time ratio | fwd-bwd ratio | step tensor peak | peak "
-        f"{peak_kind} (fresh process) | step time vs off |\n|---|---|{'---:|' * 6}"
+        "| variant | vs | step ms | step time ratio | fwd-bwd ratio | CPU time ratio | step tensor "
+        f"peak | peak {peak_kind} (fresh process) | step time vs off |\n|---|---|{'---:|' * 7}"
     )
     lines = []
     for world, result in sorted(timing.items()):
@@ -166,6 +171,7 @@ def tables(args: argparse.Namespace, timing: dict, memory: dict) -> str:
                 lines.append(
                     f"| {name} | {base} | {1000 * statistics.median(steps):.0f} "
                     f"| {_ratio(rounds, name, base)} | {_ratio(rounds, name, base, 'fb_s')} "
+                    f"| {_ratio(rounds, name, base, 'cpu_s')} "
                     f"| {peak / max(peak_base, 1):.4f} ({peak / 2**20:.2f} MiB) | {fresh} "
                     f"| {_ratio(rounds, name, 'off') if off else '-'} |"
                 )

@@ -37,27 +37,44 @@ VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)
     "token_mean-per-token": ("token_mean", True),
     "token_mean-first-step": ("token_mean", False),  # each step checked as a first step is
 }
+#: Masks decided in the loss (docs/design.md §10): name -> (mode, mask_in_loss, counting_pass).
+#: ``+zeroed``: the masks alone (dropped tokens still count); ``+kept``: dropped tokens leave
+#: the normalization, scaled after the schedule; ``+counting``: through the counting pass.
+KEPT = {
+    "token_mean+zeroed": ("token_mean", False, False),
+    "token_mean+kept": ("token_mean", True, False),
+    "sequence_mean+kept": ("sequence_mean", True, False),
+    "token_mean+counting": ("token_mean", True, True),
+}
+VARIANTS.update({name: (mode, False) for name, (mode, _, _) in KEPT.items()})
 RL_OBJECTIVE = {"policy_loss": "ppo", "kl_coef": 0.01}
+#: The masked variants' objective: a token ratio band and off-policy sequence masking (RL), a
+#: filter on the per-token loss (SFT).
+RL_MASKED = {**RL_OBJECTIVE, "ratio_band": (0.8, 1.25), "offpolicy_kl_threshold": 0.05}
+SFT_KEEP = 5.6  # keep the tokens whose loss is below this (about half, untrained)
 
 
 def baseline(name: str) -> str:
     """The variant ``name`` is compared with: stock (per-token plugin: per-token stock; the
-    first step's check: a plain plugin step)."""
-    if name == "token_mean-first-step":
+    first step's check: a plain plugin step; a masked variant: ``token_mean`` without masks)."""
+    if name in KEPT or name == "token_mean-first-step":
         return "token_mean"
     return "stock-per-token" if name == "token_mean-per-token" else "stock"
 
 
-def _forward_step(plugin: bool, workload: str, data_iterator, model) -> tuple:
+def _forward_step(plugin: bool, workload: str, masked: bool, data_iterator, model) -> tuple:
     batch = next(data_iterator)
     if not plugin:  # stock weighs by the loss mask, as the plugin's `off` hands it over
         batch = {**batch, "loss_weights": batch["loss_mask"]}
     if workload == "sft":
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss_func = partial(weighted_loss if plugin else _megatron_lm_loss, batch["loss_weights"])
+        loss = weighted_loss if plugin else _megatron_lm_loss
+        if masked:
+            loss = partial(weighted_loss, keep=lambda per_token: per_token < SFT_KEEP)
+        loss_func = partial(loss, batch["loss_weights"])
     else:  # without labels GPTModel returns the logits
         output = model(batch["tokens"], batch["position_ids"], None)
-        loss_func = partial(rl_loss, batch, objective=RL_OBJECTIVE)
+        loss_func = partial(rl_loss, batch, objective=RL_MASKED if masked else RL_OBJECTIVE)
     return output, (loss_func if plugin else partial(_lm_loss_report, loss_func))
 
 
@@ -120,11 +137,17 @@ class Bench:
         for name in set(names) - set(self.schedules):
             mode = VARIANTS[name][0]
             norm = float(args.seq_length) if mode == "seq_mean_token_sum_norm" else None
+            _, in_loss, counting = KEPT.get(name, (mode, False, False))
             # Plain steps, and one variant whose every step runs the default first-step check.
             check = {} if name.endswith("-first-step") else {"self_check": False}
-            self.schedules[name] = LossFixSchedule(
-                LossFixConfig(reduction=mode, norm_constant=norm, **check)
+            config = LossFixConfig(
+                reduction=mode,
+                norm_constant=norm,
+                mask_in_loss=in_loss,
+                counting_pass=counting,
+                **check,
             )
+            self.schedules[name] = LossFixSchedule(config)
         records, self.batches = load_records(None), []
         data = dict(global_batch_size=args.global_batch_size, seq_length=args.seq_length)
         cut = dict(dp_rank=dp_rank, dp_size=dp, micro_batch_size=args.micro_batch_size)
@@ -143,20 +166,21 @@ class Bench:
             self.batches.append(mbs)
 
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:
-        """One training step; this rank's seconds: wall time and the schedule call's."""
+        """One training step; this rank's seconds: wall time, the schedule call's, and the CPU
+        time of this process (less sensitive than wall time to other work on a shared CPU)."""
         mode, per_token = VARIANTS[name]
         (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
         mbs, args = self.batches[index % len(self.batches)], self.args
         if getattr(schedule, "self_check", None) is not None:
             schedule.self_check.checked = False  # this step is checked as the first one
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         chunks[0].zero_grad_buffer()
         optimizer.zero_grad()
         sync()
         t1 = time.perf_counter()
         reports = schedule(
-            forward_step_func=partial(_forward_step, mode is not None, workload),
+            forward_step_func=partial(_forward_step, mode is not None, workload, name in KEPT),
             data_iterator=iter(mbs), model=chunks[0], num_microbatches=len(mbs),
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
         )  # fmt: skip
@@ -171,7 +195,7 @@ class Bench:
             schedule.step_metrics()
         sync()
         wall = time.perf_counter() - t0
-        return {"step_s": wall, "fb_s": fb_s}
+        return {"step_s": wall, "fb_s": fb_s, "cpu_s": time.process_time() - c0}
 
     def tensor_peak(self, name: str, workload: str) -> float:
         """Peak bytes of live tensors allocated during one step, above those before it (max over

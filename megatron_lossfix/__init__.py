@@ -14,6 +14,7 @@ that import it at module level are imported by name. docs/design.md §6 maps eve
 from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.args import add_lossfix_args, schedule_from_args
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.kept import kept_weights
 from megatron_lossfix.losses import loss_weights, weighted_loss
 from megatron_lossfix.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.reduction import REDUCTIONS, LossFixConfig
@@ -32,6 +33,7 @@ __all__ = [
     "add_lossfix_args",
     "enable_cpu_megatron",
     "grpo_advantages",
+    "kept_weights",
     "loss_weights",
     "rl_objective",
     "schedule_from_args",

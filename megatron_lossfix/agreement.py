@@ -58,6 +58,7 @@ class Problem(enum.Enum):
     LOSS_FUNC = "the loss function failed or returned what the plugin cannot use"
     MTP = "the multi-token prediction loss could not be normalized"
     UNREDUCED = "the model's gradients are not reduced across data-parallel ranks"
+    KEPT_MASK = "a mask decided in the loss (kept_weights) is malformed"
     GROUP_IDS = "a micro-batch's group or trajectory ids are missing, malformed or out of range"
 
     def refusal(self, message: str, cause: BaseException | None = None) -> StepRefused:
@@ -196,6 +197,7 @@ class Agreement:
         late: Callable[[], StepRefused | None] | None = None,
     ) -> list[float]:
         """Raise on this rank if the step is refused; this record is the sum over the step.
+        Returns the counts, read in the same host read.
 
         ``pp_size``: the pipeline stages whose fingerprints were summed; ``mine``: this rank's
         problem; ``settings``: this rank's, for the message; ``late``: this rank's problem
@@ -205,7 +207,7 @@ class Agreement:
         """
         values = self.to_tensor().tolist()
         fp, fp_sq, problems, rank_sum = values[:_HEADER]
-        kinds = values[_HEADER : _HEADER + len(_KINDS)]
+        kinds, counts = values[_HEADER : _HEADER + len(_KINDS)], values[_HEADER + len(_KINDS) :]
         stages_differ = fp * fp != pp_size * fp_sq
         if stages_differ or kinds[_KINDS.index(Problem.DISAGREE)] > 0:
             where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
@@ -215,7 +217,7 @@ class Agreement:
                 "--loss-reduction"
             )
         if problems <= 0:
-            return values[_HEADER + len(_KINDS) :]
+            return counts
         mine = mine if mine is not None or late is None else late()
         if mine is not None:
             raise StepRefused(f"{REFUSAL_PREFIX}{mine}", mine.kind) from mine.__cause__

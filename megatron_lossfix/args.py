@@ -127,6 +127,26 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--lossfix-mask-in-loss",
+        dict(
+            action="store_true",
+            help="tokens the loss function drops (a mask it decides from the forward pass: "
+            "kept_weights, weighted_loss(keep=), rl_objective's ratio band and off-policy "
+            "masking) leave the normalization: the mode's counts are those of the kept tokens, "
+            "exactly under every layout. Without it they are zeroed and still count.",
+        ),
+    ),
+    (
+        "--lossfix-counting-pass",
+        dict(
+            action="store_true",
+            help="with --lossfix-mask-in-loss: learn the kept counts from a forward-only pass "
+            "before each step (one extra forward) instead of scaling the gradients after "
+            "Megatron's schedule; taken automatically where that scale cannot be exact (MoE "
+            "auxiliary losses, multi-token prediction).",
+        ),
+    ),
+    (
         "--lossfix-self-check",
         dict(
             action=argparse.BooleanOptionalAction,
@@ -197,6 +217,10 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
             raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
         if self_check:  # asked for explicitly
             raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
+        for flag in ("mask_in_loss", "counting_pass"):
+            if getattr(args, f"lossfix_{flag}", False):
+                name = "--lossfix-" + flag.replace("_", "-")
+                raise ValueError(f"{name} needs --loss-reduction (the plugin must be on)")
         return None
     # Every other check is LossFixConfig's own: the flags and the Python API refuse alike.
     return LossFixConfig(
@@ -205,6 +229,8 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
         validate=not getattr(args, "lossfix_no_validate", False),
         check_finite=getattr(args, "lossfix_check_finite", False),
         self_check=self_check,
+        mask_in_loss=getattr(args, "lossfix_mask_in_loss", False),
+        counting_pass=getattr(args, "lossfix_counting_pass", False),
         self_check_tolerance=getattr(args, "lossfix_self_check_tolerance", 1e-5),
     )
 

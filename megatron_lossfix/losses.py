@@ -4,12 +4,13 @@ Megatron's pipeline schedule calls ``loss_func(output_tensor)``; bind the micro-
 first: ``partial(weighted_loss, batch.get("loss_weights", batch["loss_mask"]))`` (under ``off``
 no weights come in, and the mask is stock's weight). The weights already hold the step's
 normalization, so every function here returns ``sum(w * l)``, never a mean. A loop that does
-not use ``LossFixSchedule`` builds the weights itself with :func:`loss_weights`.
+not use ``LossFixSchedule`` builds the weights itself with :func:`loss_weights`. A loss that
+decides after the forward pass which tokens count says so with ``keep=`` (docs/design.md §10).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from megatron_lossfix.group_ids import (
     missing_group_ids_message,
 )
 from megatron_lossfix.groups import group_size
+from megatron_lossfix.kept import kept_weights
 from megatron_lossfix.reduction import (
     REDUCTIONS,
     bad_mask_message,
@@ -54,15 +56,26 @@ def weighted_sum(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 
 
 def weighted_loss(
-    weights: torch.Tensor, output_tensor: torch.Tensor, **_: Any
+    weights: torch.Tensor,
+    output_tensor: torch.Tensor,
+    *,
+    keep: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Megatron ``loss_func`` for a per-token loss tensor (what ``GPTModel`` returns when given
     ``labels``: vocab-parallel cross entropy, ``[batch, seq]``, TP-correct).
 
+    ``keep``: the tokens the loss keeps, a ``[batch, seq]`` mask or a function of the detached
+    per-token loss that returns one (e.g. ``lambda l: l < 8``, decided after the forward pass);
+    dropped tokens are zeroed, or leave the normalization under
+    ``LossFixConfig(mask_in_loss=True)`` (:func:`~megatron_lossfix.kept.kept_weights`).
+
     Returns Megatron's 3-tuple ``(sum(w * l), num_tokens, report)``; ``num_tokens`` counts the
     loss tokens of this micro-batch on this rank (after any context-parallel slicing).
     """
-    loss = weighted_sum(output_tensor, weights)
+    if callable(keep):
+        keep = keep(output_tensor.detach())
+    loss = weighted_sum(output_tensor, kept_weights(weights, keep))
     num_tokens = (weights != 0).sum(dtype=torch.int)
     return loss, num_tokens, {}
 

@@ -5,7 +5,8 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
 * Averaging (docs/design.md §1): :func:`undo_averaging`, the factor that undoes it for the main
   loss and for MTP (pinned per release by ``tests/test_megatron_averaging.py``);
   :func:`unreduced_gradients`, the structure that must reduce a step's gradients across
-  data-parallel ranks.
+  data-parallel ranks; :func:`scale_gradients`, a scale of the step's gradients after the
+  schedule, and :func:`gradient_side_paths`, the terms such a scale would also rescale.
 * ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
   ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
@@ -160,6 +161,44 @@ def unreduced_gradients(chunks: list, model_config: Any, groups: StepGroups) -> 
         "would not be reduced across those ranks (each would train on its own share); "
         + " and ".join(fixes)
     )
+
+
+def gradient_side_paths(model_config: Any) -> list[str]:
+    """The gradient's terms that Megatron adds outside the loss function's return (MoE auxiliary
+    and z-losses, multi-token prediction, DSA's indexer loss), each scaled by the schedule
+    itself: a scale of the whole gradient after the schedule would rescale them too."""
+    paths = []
+    if getattr(model_config, "num_moe_experts", None):
+        coeff = getattr(model_config, "moe_aux_loss_coeff", 0.0) or 0.0
+        if any(c for c in (coeff if isinstance(coeff, (list, tuple)) else [coeff])):
+            paths.append("MoE auxiliary loss")
+        if getattr(model_config, "moe_z_loss_coeff", None):
+            paths.append("MoE z-loss")
+    if getattr(model_config, "mtp_num_layers", None):
+        paths.append("multi-token prediction")
+    if getattr(model_config, "experimental_attention_variant", None) == "dsa" or getattr(
+        model_config, "experimental_attention_variant_loss_scale_func", None
+    ):
+        paths.append("the attention variant's auxiliary loss")
+    return paths
+
+
+def scale_gradients(chunks: list, factor: float) -> None:
+    """Multiply the step's gradients by ``factor`` after Megatron's schedule, as
+    ``finalize_model_grads`` does on the per-token path: through DDP/FSDP's
+    ``scale_gradients`` (its gradient buffers), else each parameter's ``main_grad`` or
+    ``grad``."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+
+    for chunk in chunks:
+        if isinstance(chunk, _BaseDataParallel):
+            chunk.scale_gradients(factor)
+            continue
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grad.mul_(factor)
 
 
 def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) -> dict:

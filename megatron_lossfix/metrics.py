@@ -2,9 +2,12 @@
 
 ``loss`` is L (docs/design.md §2), ``num_tokens`` N, ``num_sequences`` S, ``num_groups`` G
 (modes over group ids), ``mtp_loss_<j>`` each MTP layer's; the reports' 0-dim entries named
-``*_sum``/``*_count`` are summed, ``*_max`` maxed and ``*_min`` minimized over DP x CP. The
-loss stage computes them (one SUM and one MAX all-reduce over DP x CP) and broadcasts them to
-the other pipeline stages.
+``*_sum``/``*_count`` are summed, ``*_max`` maxed and ``*_min`` minimized over DP x CP. Where
+the loss said which tokens it kept (``kept_weights``, docs/design.md §10):
+``kept_token_fraction`` and ``kept_sequence_fraction`` (of the loss mask's tokens and
+sequences), and under ``mask_in_loss`` N, S and G are the kept ones (0 when nothing was kept:
+the step trained nothing). The loss stage computes them (one SUM and one MAX all-reduce over
+DP x CP) and broadcasts them to the other pipeline stages.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def _local_metrics(record: StepRecord, groups: StepGroups) -> dict[str, float]:
         if max_vec is not None:
             dist.all_reduce(max_vec, op=dist.ReduceOp.MAX, group=groups.dp_cp)
     out: dict[str, Any] = {k: sum_vec[1 + i] for i, k in enumerate(sums)}
+    if record.kept is not None:  # sums weighted by kept weights that waited for their factor
+        for name in record.kept.weighted_names & set(out):
+            out[name] = out[name] * record.loss_scale
     out.update({f"mtp_loss_{j + 1}": sum_vec[1 + len(sums) + j] for j in range(len(mtp))})
     out.update({k: max_vec[i] * sign[k] for i, k in enumerate(extremes)})
     if record.counts is not None:  # a plugin mode
@@ -86,8 +92,32 @@ def _local_metrics(record: StepRecord, groups: StepGroups) -> dict[str, float]:
         out["num_sequences"] = record.counts.num_sequences
         if record.counts.group_tokens is not None:  # groups (trajectories) with a loss token
             out["num_groups"] = (record.counts.group_tokens > 0).sum()
-        out["loss"] = sum_vec[0]
+        out["loss"] = sum_vec[0] * record.loss_scale
         if record.passthrough and record.per_token:
             # Megatron's per-token mode divides the summed loss by the global token count.
             out["loss"] = sum_vec[0] / record.counts.num_tokens.clamp(min=1)
+        out.update(_kept_metrics(record))
     return {k: float(v) for k, v in out.items()}
+
+
+def _kept_metrics(record: StepRecord) -> dict[str, Any]:
+    """The kept fractions, and under ``mask_in_loss`` the kept N and S (docs/design.md §10)."""
+    kept = record.kept_counts
+    if kept is None:
+        return {}
+    tokens, sequences = float(record.counts.num_tokens), float(record.counts.num_sequences)
+    out: dict[str, Any] = {"kept_token_fraction": kept.num_tokens / max(tokens, 1.0)}
+    if kept.num_sequences is not None:
+        out["kept_sequence_fraction"] = kept.num_sequences / max(sequences, 1.0)
+    kept_groups = None if record.kept is None else record.kept.group_counts
+    if kept_groups is not None and record.counts.group_tokens is not None:
+        kept_groups = (kept_groups > 0).sum()
+        groups = (record.counts.group_tokens > 0).sum().clamp(min=1)
+        out["kept_group_fraction"] = kept_groups / groups
+    if record.config.mask_in_loss:
+        out["num_tokens"] = kept.num_tokens
+        if kept.num_sequences is not None:
+            out["num_sequences"] = kept.num_sequences
+        if kept_groups is not None:
+            out["num_groups"] = kept_groups
+    return out

@@ -134,6 +134,17 @@ class LossFixConfig:
     """Raise, naming micro-batch and tensor, on a NaN/Inf floating input, loss or report entry
     (device syncs per micro-batch: for debugging). Plugin modes only."""
 
+    mask_in_loss: bool = False
+    """What a token the loss drops (``kept_weights``, ``weighted_loss(keep=)``, ``rl_objective``'s
+    masks) means: False, its loss is zeroed and it still counts in the normalization; True, it
+    leaves every count of the mode, exactly under every layout (docs/design.md §10)."""
+
+    counting_pass: bool = False
+    """With ``mask_in_loss``: always learn the kept counts from a forward-only pass before the
+    step (one extra forward), instead of scaling the gradients once after Megatron's schedule.
+    The step takes that path by itself where the scale would be wrong (MoE auxiliary losses,
+    multi-token prediction)."""
+
     self_check: bool | None = None
     """At the first training step, re-run its data split into other micro-batches and raise
     ``SelfCheckError`` when the gradient changes (one or two extra passes, once): it catches a
@@ -154,6 +165,8 @@ class LossFixConfig:
             "check_finite": "--lossfix-check-finite",
             "data_is_cp_sharded": "no flag",
             "self_check": "--[no-]lossfix-self-check",
+            "mask_in_loss": "--lossfix-mask-in-loss",
+            "counting_pass": "--lossfix-counting-pass",
         }
         for name, flag in switches.items():
             value, default = getattr(self, name), " or None (the default)" * (name == "self_check")
@@ -184,6 +197,16 @@ class LossFixConfig:
             )
         if self.loss_mask_key == self.weights_key:
             raise ValueError("loss_mask_key and weights_key must differ")
+        if self.mask_in_loss and self.reduction == "off":
+            raise ValueError(
+                "mask_in_loss (--lossfix-mask-in-loss) needs a plugin mode: with "
+                "--loss-reduction off Megatron normalizes as stock; pick a mode or drop the flag"
+            )
+        if self.counting_pass and not self.mask_in_loss:
+            raise ValueError(
+                "counting_pass (--lossfix-counting-pass) applies only with mask_in_loss "
+                "(--lossfix-mask-in-loss); add that flag or drop this one"
+            )
 
 
 @dataclass(frozen=True, slots=True)

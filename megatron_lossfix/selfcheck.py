@@ -12,7 +12,7 @@ refused.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
+from megatron_lossfix.counting_pass import recorded
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
 from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
 from megatron_lossfix.reduction import LossFixConfig
@@ -213,7 +214,7 @@ def _run_recording(run: Callable[..., Any], call: dict) -> tuple[Any, list[list 
     as_list = isinstance(given, list)
     sources = given if as_list else [given]
     reads = [None if it is None else [] for it in sources]
-    its = [it if it is None else _recorded(it, r) for it, r in zip(sources, reads, strict=True)]
+    its = [it if it is None else recorded(it, r) for it, r in zip(sources, reads, strict=True)]
     return run(**{**call, "data_iterator": its if as_list else its[0]}), reads
 
 
@@ -310,13 +311,6 @@ def _how(m: int, plan: tuple | None) -> str:
         return f"in {m} micro-batches with their rows dealt differently"
     cut = "each micro-batch cut in" if plan[0] == "split" else "merged in groups of"
     return f"as {plan[2]} micro-batches instead of {m} ({cut} {plan[1]})"
-
-
-def _recorded(source: Iterator, items: list) -> Iterator:
-    """``source``'s items, each also appended to ``items`` (dicts copied: forward_step may pop)."""
-    for item in iter(lambda: next(source), object()):  # RerunDataIterator has no __iter__
-        items.append(dict(item) if isinstance(item, Mapping) else item)
-        yield item
 
 
 def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) -> str | None:

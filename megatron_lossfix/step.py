@@ -14,7 +14,13 @@ caller's own arguments and returns its result unchanged. With a mode, one step:
    by what undoes Megatron's averaging, so the gradient is that of ``sum(w * l)``
    (:func:`_wrap`, :func:`_scale`);
 5. **after the schedule**: if a loss function failed inside it (the loss stage ran on with zero
-   losses), a second agreement refuses the step on every rank (:func:`_after_schedule`).
+   losses), a second agreement refuses the step on every rank (:func:`_after_schedule`); the
+   same all-reduce carries the counts of the masks the loss decided (:mod:`megatron_lossfix.kept`),
+   by which a ``mask_in_loss`` step scales its gradients once.
+
+With ``mask_in_loss`` and a model whose gradient has terms outside the loss (or
+``counting_pass``), a forward-only counting pass (:mod:`megatron_lossfix.counting_pass`) runs
+between 3 and 4 and the counts agree before the real pass instead.
 
 Each step that goes through leaves its :class:`StepRecord` in :attr:`Step.last_step`: what the
 step's metrics reduce (:mod:`megatron_lossfix.metrics`) and the self-check keeps
@@ -44,8 +50,11 @@ from megatron_lossfix.agreement import (
     agree,
     default_device,
 )
+from megatron_lossfix.counting_pass import counting_pass
 from megatron_lossfix.group_ids import GroupIds
 from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.kept import NUM_COUNTS as KEPT_COUNTS
+from megatron_lossfix.kept import KeptCounts, KeptStep, Phase, deferred_scale, phase_for
 from megatron_lossfix.mtp import MTPStep, active, mtp_step
 from megatron_lossfix.reduction import LossFixConfig, StepCounts
 
@@ -83,6 +92,18 @@ class StepRecord:
     """The loss functions' reports (``off``: the list Megatron's schedule returned)."""
     problem: StepRefused | None = None
     """Why this rank refuses the step, found before the schedule or inside it."""
+    phase: Phase | None = None
+    """What ``kept_weights`` serves in this step (every rank; None with ``off``)."""
+    kept: KeptStep | None = None
+    """The masks the loss decided (loss stage, plugin modes)."""
+    kept_counts: KeptCounts | None = None
+    """Their agreed counts (every rank; None where no loss said what it kept)."""
+    grouped: bool = False
+    """Whether the weights are over group ids (``group_mean``; the sequence modes with
+    trajectory ids), as agreed by every rank of the step."""
+    loss_scale: float = 1.0
+    """What each recorded contribution is multiplied by to give L: the global factor a
+    ``DEFERRED`` step applied to its gradients after the schedule (1 otherwise)."""
 
     @property
     def per_token(self) -> bool:
@@ -94,7 +115,8 @@ class StepRecord:
         """Whether the loss tuples go to Megatron unchanged: ``off``, and ``token_mean`` on
         Megatron's per-token path, whose division by the all-reduced N already is the mode."""
         mode = self.config.reduction
-        return mode == "off" or (mode == "token_mean" and self.per_token)
+        per_token_mean = mode == "token_mean" and self.per_token and not self.config.mask_in_loss
+        return mode == "off" or per_token_mean
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,12 +222,26 @@ class Step:
             record.problem = unreduced  # the fix to name first: no step can be right without it
         mtp_masks = [reduction.shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
         mtp_counts = _agree(record, data, mtp_masks)
+        forward_only = bool(call.get("forward_only"))
+        record.phase = _kept_phase(cfg, record.model_config, forward_only, record.grouped)
+        schedule = self.inner or megatron_compat.schedule_for(model, record.groups.pp)
+        forward_step_func = call["forward_step_func"]
+        batches = None
         if record.groups.is_last_stage:
-            iterators[-1] = _weigh(record, data, mtp_masks, mtp_counts)
-            call["forward_step_func"] = _wrap(call["forward_step_func"], iterators[-1], record)
+            record.kept = _kept_step(record, data)
+            batches = _weigh(record, data, mtp_masks, mtp_counts)
+            iterators[-1] = batches()
+            call["forward_step_func"] = _wrap(forward_step_func, iterators[-1], record)
+        if record.phase is Phase.COUNT:
+            counting = None if batches is None else batches()
+            counting_step = _wrap(forward_step_func, counting, record, counting=True)
+            loss_iterators = None if counting is None else (counting, iterators[-1])
+            iterators = counting_pass(schedule, call, counting_step, iterators, loss_iterators)
+            record.microbatch = -1
+            _agree_kept(record, counted=True)
         call["data_iterator"] = iterators if isinstance(given, list) else iterators[0]
-        result = (self.inner or megatron_compat.schedule_for(model, record.groups.pp))(**call)
-        _after_schedule(record)
+        result = schedule(**call)
+        _after_schedule(record, chunks, bool(call.get("forward_only")))
         return result
 
 
@@ -336,6 +372,7 @@ def _agree(
     sums = agreed.verdict(groups.pp_size, problem, settings, late=late)
     if by_ids:
         _agree_on_id_range(sums[-2:], groups, data.group_ids)
+        record.grouped = sums[-2] > 0
     if not groups.is_last_stage:
         return []
     ids = data.group_ids
@@ -422,8 +459,9 @@ def _weigh(
     data: StepData,
     mtp_masks: list[list[torch.Tensor]],
     mtp_counts: list[StepCounts],
-) -> Iterator[dict]:
-    """The loss stage's micro-batches with their weights (and ``record.mtp``)."""
+) -> Callable[[], Iterator[dict]]:
+    """The loss stage's micro-batches with their weights (and ``record.mtp``), as a function
+    that starts a pass over them (the counting pass and the real one each start one)."""
     cfg = record.config
     weights = data.masks  # per-token token_mean: Megatron's division by N is exact
     if not record.passthrough:
@@ -449,11 +487,51 @@ def _weigh(
                 _check_finite(batch.items(), f"micro-batch {k}: {{!r}} holds NaN or Inf")
             yield {**batch, cfg.weights_key: weights[k]}
 
-    return batches()
+    return batches
+
+
+def _kept_phase(
+    config: LossFixConfig, model_config: Any, forward_only: bool, grouped: bool
+) -> Phase:
+    """The step's :class:`~megatron_lossfix.kept.Phase`, the same on every rank: it depends on
+    the config, the model, the call and the agreed presence of group ids only. A
+    ``mask_in_loss`` step counts in a pass of its own where asked to, where a gradient scale
+    after the schedule would also rescale terms outside the loss, or where the weights are over
+    groups (no one scale is right); a forward-only call (evaluation) without groups has no
+    gradient, and its loss waits for the counts."""
+    side_paths = bool(megatron_compat.gradient_side_paths(model_config)) and not forward_only
+    counting = config.counting_pass and not forward_only
+    return phase_for(config.reduction, config.mask_in_loss, counting, side_paths, grouped)
+
+
+def _kept_step(record: StepRecord, data: StepData) -> KeptStep:
+    """The loss stage's :class:`~megatron_lossfix.kept.KeptStep` for this step."""
+    groups = record.groups
+    rows = [
+        int(mask.shape[0]) if num is None else int(num)
+        for mask, num in zip(data.masks, data.num_segments, strict=True)
+    ]
+    packed = any(ids is not None for ids in data.segment_ids)
+    return KeptStep(
+        mode=record.config.reduction,
+        phase=record.phase,
+        rows=rows,
+        device=data.masks[0].device if data.masks else default_device(),
+        dp_size=groups.dp_size,
+        cp_group=groups.cp if groups.cp_size > 1 else None,
+        norm_constant=record.config.norm_constant,
+        segment_ids=data.segment_ids if packed else None,
+        group_ids=data.group_ids if record.grouped else None,
+        dp_cp_group=groups.dp_cp,
+    )
 
 
 def _undo_averaging(record: StepRecord, *, mtp: bool = False) -> torch.Tensor | float:
-    """The factor that undoes Megatron's averaging of this step's main or MTP loss."""
+    """The factor that undoes Megatron's averaging of this step's main or MTP loss. A
+    ``DEFERRED`` step on Megatron's per-token path hands the kept tokens as the count by
+    which Megatron divides: its losses go through unscaled."""
+    if record.phase is Phase.DEFERRED and record.per_token and not mtp:
+        return 1.0
     return megatron_compat.undo_averaging(
         record.per_token,
         record.counts.num_tokens,
@@ -464,15 +542,21 @@ def _undo_averaging(record: StepRecord, *, mtp: bool = False) -> torch.Tensor | 
 
 
 # ---------------------------------------------------------------------- wrap and scale
-def _wrap(forward_step_func: Callable, step_iter: Iterator, record: StepRecord) -> Callable:
+def _wrap(
+    forward_step_func: Callable, step_iter: Iterator, record: StepRecord, *, counting: bool = False
+) -> Callable:
     """``forward_step_func`` whose loss function, on the loss chunk, is checked, recorded
-    and rescaled; on an error the problem is recorded and Megatron gets a zero loss."""
+    and rescaled; on an error the problem is recorded and Megatron gets a zero loss.
+    ``counting``: the counting pass's, whose loss only tells the step what it keeps."""
+    if step_iter is None:  # not the loss stage
+        return forward_step_func
     scale = None if record.passthrough else _undo_averaging(record)
+    kept = record.kept
 
     def forward_step(data_iterator: Any, model: Any, *args: Any) -> tuple:
         if data_iterator is not step_iter:  # another chunk: Megatron never calls its loss
             return forward_step_func(data_iterator, model, *args)
-        with active(record.mtp):  # the model computes its MTP losses in this call
+        with active(None if counting else record.mtp):  # the model computes MTP losses here
             output, loss_func = forward_step_func(data_iterator, model, *args)
         k = record.microbatch
         if record.mtp is not None and record.mtp.problem and record.problem is None:
@@ -480,23 +564,33 @@ def _wrap(forward_step_func: Callable, step_iter: Iterator, record: StepRecord) 
 
         def loss(output_tensor: Any, *a: Any, **kw: Any) -> tuple:
             if record.problem is not None:
-                return _zero_loss(output_tensor, record.per_token)
+                return _zero_loss(output_tensor, record.per_token, kept, k)
             try:
                 if k < 0:
                     raise ValueError(
                         "forward_step_func returned without reading its micro-batch from "
                         "the data iterator on the loss stage"
                     )
-                outputs = loss_func(output_tensor, *a, **kw)
+                with kept.active(k):
+                    outputs = loss_func(output_tensor, *a, **kw)
                 if kw.get("non_loss_data"):
                     return outputs
+                if kept.phase is not Phase.ZERO and not kept.called[k]:
+                    raise ValueError(
+                        "mask_in_loss is on, but loss_func did not say which tokens it kept: "
+                        "weigh the per-token losses with megatron_lossfix.kept_weights(weights, "
+                        "keep) (weighted_loss(..., keep=) and rl_objective do)"
+                    )
+                if counting:
+                    return _zero_loss(output_tensor, record.per_token, kept, k)
+                kept.finish(k)
                 return _scale(outputs, k, scale, record)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it after the step
                 message = f"{type(exc).__name__}: {exc}"
                 if f"micro-batch {k}" not in message:
                     message = f"micro-batch {k}: {message}"
                 record.problem = Problem.LOSS_FUNC.refusal(message, exc)
-                return _zero_loss(output_tensor, record.per_token)
+                return _zero_loss(output_tensor, record.per_token, kept, k)
 
         return output, loss
 
@@ -538,19 +632,67 @@ def _scale(outputs: Any, k: int, scale: Any, record: StepRecord) -> tuple:
     if record.passthrough:
         return outputs  # Megatron's own semantics, untouched
     if record.per_token:
-        return loss * scale, outputs[1], report
+        num_tokens = outputs[1]
+        if record.config.mask_in_loss:  # the step decides what Megatron divides by
+            num_tokens = record.kept.num_tokens(k, num_tokens)
+        return loss * scale, num_tokens, report
     return loss * scale, report
 
 
 # ---------------------------------------------------------------------- after the schedule
-def _after_schedule(record: StepRecord) -> None:
-    """Refuse the step on every rank if the loss stage hit an error inside the schedule:
-    one small agreement over DP x CP (loss stage) and the pipeline group; none on a single
-    rank without an error."""
-    groups, problem = record.groups, record.problem
-    if problem is None and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
+def _after_schedule(record: StepRecord, chunks: list, forward_only: bool) -> None:
+    """Refuse the step on every rank if the loss stage hit an error inside the schedule or
+    a malformed kept mask; learn the kept counts and, in a ``DEFERRED`` step, scale the
+    gradients by the mode's global factor (not in a forward-only call: it made none): one
+    small agreement over DP x CP (loss stage) and the pipeline group; none on a single rank
+    without an error or a kept mask."""
+    groups, kept = record.groups, record.kept
+    used = kept is not None and any(kept.called)
+    if record.problem is None and not used and groups.dp_cp_size <= 1 and groups.pp_size <= 1:
         return
-    agree(Agreement.of_rank(None, problem), groups).verdict(groups.pp_size, problem)
+    counts = _agree_kept(record, counted=False)
+    if record.phase is Phase.DEFERRED and counts is not None:
+        grad_scale, record.loss_scale = deferred_scale(
+            record.config.reduction, record.per_token, counts
+        )
+        if grad_scale != 1.0 and not forward_only:
+            megatron_compat.scale_gradients(chunks, grad_scale)
+
+
+def _agree_kept(record: StepRecord, *, counted: bool) -> KeptCounts | None:
+    """The agreement after a pass over the micro-batches: this rank's problem, its kept
+    masks' flags and counts (loss stage) summed over DP x CP and the pipeline group; raises
+    on every rank of a refused step. Sets and returns ``record.kept_counts`` (None when no
+    loss said what it kept). ``counted``: after the counting pass, which also hands the real
+    pass its weights."""
+    groups, kept, problem = record.groups, record.kept, record.problem
+    mine = Agreement.of_rank(None, problem, num_counts=KEPT_COUNTS)
+    if kept is not None:
+        # Sequences split over CP ranks are counted whole where the normalization needs S.
+        kept.whole_counts(communicate=record.config.mask_in_loss)
+        counts, flags = kept.local(mine.counts.device)
+        mine.counts.copy_(counts)
+        mine.report(Problem.KEPT_MASK, (flags.amax() > 0).double())
+
+    def late() -> StepRefused | None:  # asked only when the step is refused
+        if kept is None or not any(f is not None and bool(f.amax() > 0) for f in kept.flags):
+            return None
+        return Problem.KEPT_MASK.refusal(kept.flag_message())
+
+    agreed = agree(mine, groups)
+    calls, tokens, seqs = agreed.verdict(groups.pp_size, problem, late=late)
+    if calls <= 0:
+        return None
+    whole = seqs >= 0
+    record.kept_counts = KeptCounts(
+        calls=calls, num_tokens=tokens, num_sequences=seqs / groups.cp_size if whole else None
+    )
+    if counted and kept is not None:
+        num_tokens = agreed.counts[1].to(kept.device)
+        num_sequences = (agreed.counts[2] / groups.cp_size).to(kept.device)
+        step_counts = kept.counts_of_pass(num_tokens, num_sequences)
+        kept.counted(step_counts, record.config.reduction, record.config.norm_constant)
+    return record.kept_counts
 
 
 def _model_settings(config: LossFixConfig, chunk: Any) -> tuple[Any, Exception | None]:
@@ -646,9 +788,14 @@ def _check_finite(entries: Any, message: str, bad: Callable = lambda t: ~torch.i
             raise FloatingPointError(message.format(key) + " (check_finite is on)")
 
 
-def _zero_loss(output_tensor: Any, per_token: bool) -> tuple:
+def _zero_loss(
+    output_tensor: Any, per_token: bool, kept: KeptStep | None = None, k: int = -1
+) -> tuple:
     """A zero loss with the output's graph, in Megatron's form: the schedule ends normally
-    (backward sends zero gradients upstream) and the step is refused after it."""
+    (backward sends zero gradients upstream) and the step is refused after it. The kept
+    masks' CP sum of micro-batch ``k`` still happens (its peers wait for it)."""
+    if kept is not None and k >= 0:
+        kept.finish(k)
     if isinstance(output_tensor, torch.Tensor) and output_tensor.is_floating_point():
         zero = (output_tensor * 0).sum().float()
     else:

@@ -19,6 +19,8 @@ FROZEN = {
     "--loss-norm-constant": ("loss_norm_constant", None, None, "float"),
     "--lossfix-check-finite": ("lossfix_check_finite", False, None, "store_true"),
     "--lossfix-no-validate": ("lossfix_no_validate", False, None, "store_true"),
+    "--lossfix-mask-in-loss": ("lossfix_mask_in_loss", False, None, "store_true"),
+    "--lossfix-counting-pass": ("lossfix_counting_pass", False, None, "store_true"),
     # None: on with --loss-reduction (the first step is checked), --no-lossfix-self-check: off.
     "--lossfix-self-check": ("lossfix_self_check", None, None, "[no-]flag"),
     # A finite number > 0, checked by the parser so that its error names the flag.
@@ -148,3 +150,20 @@ def test_flag_combinations_are_refused(argv, match):
     args = add_lossfix_args(argparse.ArgumentParser()).parse_args(argv)
     with pytest.raises(ValueError, match=match):
         from_args(args)
+
+
+def test_masks_decided_in_the_loss_flags():
+    parser = add_lossfix_args(argparse.ArgumentParser())
+    mode = ["--loss-reduction", "sequence_mean"]
+    config = from_args(parser.parse_args([*mode, "--lossfix-mask-in-loss"]))
+    assert config.mask_in_loss and not config.counting_pass
+    both = ["--lossfix-mask-in-loss", "--lossfix-counting-pass"]
+    config = from_args(parser.parse_args([*mode, *both]))
+    assert config.mask_in_loss and config.counting_pass
+    with pytest.raises(ValueError, match="--lossfix-counting-pass.*--lossfix-mask-in-loss"):
+        from_args(parser.parse_args([*mode, "--lossfix-counting-pass"]))
+    for flag in both:
+        with pytest.raises(ValueError, match=f"{flag} needs --loss-reduction"):
+            from_args(parser.parse_args([flag]))
+    with pytest.raises(ValueError, match="--lossfix-mask-in-loss.*plugin mode"):
+        from_args(parser.parse_args(["--loss-reduction", "off", "--lossfix-mask-in-loss"]))

@@ -194,3 +194,53 @@ def test_module_help():
     assert done.returncode == 0
     for flag in ("--modes", "--layouts", "--out", "--model-size", "--hidden-size", "--tolerance"):
         assert flag in done.stdout
+
+
+def _unscaled_layout_grads(*args, **kwargs):
+    """The deferred normalization removed: a mask_in_loss step leaves its gradients unscaled."""
+    import megatron_lossfix.step as step
+
+    original = step.deferred_scale
+    step.deferred_scale = lambda *a, **k: (1.0, 1.0)
+    try:
+        return layout_grads(*args, **kwargs)
+    finally:
+        step.deferred_scale = original
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("broken", [False, True], ids=["as-is", "without-the-scale"])
+def test_audit_mask_in_loss(dist_pool, tmp_path, capsys, broken):
+    """--mask-in-loss: every mode as the step chooses and through the counting pass passes; the
+    rows counted before the forward miss (token_mean by the dropped fraction). Without the
+    scale after the schedule the deferred rows fail, and the audit with them."""
+    argv = ["--mask-in-loss", "--layouts", "dp2-m3", "--modes", "token_mean,sum,off"]
+    worker = _unscaled_layout_grads if broken else layout_grads
+    code = audit.main(
+        [*argv, "--out", str(tmp_path), "--no-progress", "--no-plot"], pool=dist_pool, worker=worker
+    )
+    report = json.loads((tmp_path / "audit.json").read_text())
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {
+        "off",
+        "token_mean",
+        "token_mean (counting pass)",
+        "token_mean (counted before)",
+        "sum",
+        "sum (counting pass)",
+        "sum (counted before)",
+    }
+    kept = rows["token_mean"]["kept_token_fraction"]
+    assert 0.05 < 1 - kept < 0.95
+    counted_before = rows["token_mean (counted before)"]
+    assert counted_before["grad_rel_error"] == pytest.approx(1 - kept, rel=1e-4)
+    assert not counted_before["passed"] and not counted_before["expected_to_pass"]
+    assert rows["sum (counted before)"]["passed"]  # nothing is normalized: both meanings agree
+    out = capsys.readouterr().out
+    assert f"{1 - kept:.1%} of the loss tokens dropped" in out
+    if broken:
+        assert code == 1 and not report["passed"]
+        assert {f["mode"] for f in report["failures"]} == {"token_mean"}
+    else:
+        assert code == 0 and report["passed"], report["failures"]
+        assert rows["token_mean (counting pass)"]["grad_rel_error"] <= 1e-5

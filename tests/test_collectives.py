@@ -23,6 +23,18 @@ the loss stage, the pipeline group with PP) carry the verdict on errors met insi
 schedule (a loss function that raised): one small vector each. DP=1 without pipelining adds
 nothing. And the counts do not depend on the data: a step where a DP rank holds no loss token at
 all does exactly the same collectives.
+
+Masks decided in the loss (``mask_in_loss``, docs/design.md §10) add nothing on the default
+path: the kept counts ride in the agreement after the schedule. With context parallelism the
+kept tokens of each sequence are summed over the CP group: once per micro-batch for the modes
+whose weights need them in the loss (``sequence_mean``, ``token_mean_legacy``), once per step
+otherwise. The counting pass adds one more agreement (DP x CP on the loss stage, the pipeline
+group with PP), a CP sum of the kept counts with CP, and what Megatron's forward-only schedule
+communicates (the forward's tensor-parallel all-reduces, the pipeline's activations).
+
+Host syncs (``.item()``, ``.tolist()``, ``bool()``/``float()``/``int()`` of a tensor,
+``.numpy()``, ``nonzero``, ``torch.equal``) are counted the same way: inside Megatron's schedule
+(the micro-batch loop) the plugin adds none; per step it reads each agreement once.
 """
 
 from __future__ import annotations
@@ -46,6 +58,16 @@ from megatron_lossfix.audit.tiny_gpt import Layout
 pytestmark = pytest.mark.oracle
 
 MODES = (*REDUCTIONS, "off")
+#: Masks decided in the loss: the mode's config fields (``loss`` keeps a filter's tokens).
+KEPT_VARIANTS = {
+    "token_mean+kept": {"reduction": "token_mean", "mask_in_loss": True},
+    "sequence_mean+kept": {"reduction": "sequence_mean", "mask_in_loss": True},
+    "token_mean+kept+counting": {
+        "reduction": "token_mean",
+        "mask_in_loss": True,
+        "counting_pass": True,
+    },
+}
 CASE = OracleCase(global_batch_size=8, seq_length=16)
 NUM_MICROBATCHES = 2
 
@@ -153,6 +175,45 @@ def count_collectives() -> Iterator[collections.Counter]:
             setattr(module, attr, value)
 
 
+#: Tensor methods that wait for the device (on a GPU) to hand a value to the host.
+_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "nonzero", "equal")
+
+
+@contextmanager
+def count_host_syncs() -> Iterator[collections.Counter]:
+    """Count, while active, the calls that make the host wait for the device, split into
+    ``"loop"`` (while ``schedule_running`` is set: Megatron's schedule, the micro-batch loop)
+    and ``"step"`` (the rest)."""
+    from torch.overrides import TorchFunctionMode
+
+    counts: collections.Counter = collections.Counter()
+
+    class _Counting(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) in _SYNCS:
+                counts["loop" if _SCHEDULE_RUNNING[0] else "step"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counting():
+        yield counts
+
+
+_SCHEDULE_RUNNING = [False]
+
+
+def _marking(schedule: Callable) -> Callable:
+    """Megatron's schedule, marking the time it runs for :func:`count_host_syncs`."""
+
+    def run(**kwargs: Any) -> Any:
+        _SCHEDULE_RUNNING[0] = True
+        try:
+            return schedule(**kwargs)
+        finally:
+            _SCHEDULE_RUNNING[0] = False
+
+    return run
+
+
 def _stock_forward_step(data_iterator: Any, model: Any) -> tuple:
     """Megatron-LM's loss function: ``(sum(m*l), m.sum(), report)``."""
     batch = next(data_iterator)
@@ -179,11 +240,17 @@ def _microbatches(batch: dict, dp_rank: int, per_rank: int) -> list[dict]:
 
 
 def _plugin_forward_step(data_iterator: Any, model: Any) -> tuple:
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix import slice_batch_for_cp
     from megatron_lossfix.losses import weighted_loss
 
-    batch = next(data_iterator)
+    batch = slice_batch_for_cp(next(data_iterator), ps.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(weighted_loss, batch.get("loss_weights", batch.get("loss_mask")))
+    # A filter decided in the loss: tokens whose cross entropy is below 5.6 are kept.
+    keep = lambda per_token: per_token < 5.6  # noqa: E731
+    weights = batch.get("loss_weights", batch.get("loss_mask"))
+    return output, partial(weighted_loss, weights, keep=keep)
 
 
 def _rank_setup(layout: Layout, per_token: bool, empty_last_dp_rank: bool) -> tuple:
@@ -198,8 +265,9 @@ def _rank_setup(layout: Layout, per_token: bool, empty_last_dp_rank: bool) -> tu
     )
 
     layout = init_layout(layout)
+    model = {"no_attention": True} if layout.cp > 1 else {}  # CP on CPU (docs/design.md §7)
     chunks, config = build_tiny_gpt(
-        layout, seq_len=CASE.seq_length, calculate_per_token_loss=per_token
+        layout, seq_len=CASE.seq_length, calculate_per_token_loss=per_token, **model
     )
     set_deterministic_params(chunks, CASE.seed)
     optimizer = get_megatron_optimizer(
@@ -229,18 +297,18 @@ def _step_counts(
     from megatron_lossfix.schedule import LossFixSchedule
 
     chunks, optimizer, mbs = _rank_setup(layout, per_token, empty_last_dp_rank)
+    micro_batch_size = mbs[0]["tokens"].shape[0]
 
     def step(variant: str) -> None:
+        schedule = _marking(get_forward_backward_func())
         if variant == "stock":
-            func, forward_step = get_forward_backward_func(), _stock_forward_step
+            func, forward_step = schedule, _stock_forward_step
         else:
-            func = LossFixSchedule(
-                LossFixConfig(
-                    reduction=variant,
-                    norm_constant=16.0 if variant == "seq_mean_token_sum_norm" else None,
-                    self_check=False,  # the step's own collectives, not the first step's check
-                )
-            )
+            fields = KEPT_VARIANTS.get(variant, {"reduction": variant})
+            norm = 16.0 if fields["reduction"] == "seq_mean_token_sum_norm" else None
+            # The step's own collectives, not the first step's check.
+            config = LossFixConfig(**fields, norm_constant=norm, self_check=False)
+            func = LossFixSchedule(config, schedule)
             forward_step = _plugin_forward_step
         train_step(
             func,
@@ -249,23 +317,39 @@ def _step_counts(
             mbs,
             optimizer,
             seq_length=CASE.seq_length,
-            micro_batch_size=mbs[0]["tokens"].shape[0],
+            micro_batch_size=micro_batch_size,
+        )
+
+    def forward_only() -> None:  # what the counting pass runs, stock
+        get_forward_backward_func()(
+            forward_step_func=_stock_forward_step,
+            data_iterator=iter(mbs),
+            model=chunks[0],
+            num_microbatches=len(mbs),
+            seq_length=CASE.seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
         )
 
     # One uncounted step first: anything lazily set up on a first step is not the plugin's.
     step("stock")
-    counts = {}
+    counts, syncs = {}, {}
     for variant in variants:
-        with count_collectives() as counter:
+        with count_collectives() as counter, count_host_syncs() as synced:
             step(variant)
-        counts[variant] = dict(counter)
+        counts[variant], syncs[variant] = dict(counter), dict(synced)
+    with count_collectives() as counter, torch.no_grad():
+        forward_only()
+    counts["stock-forward-only"] = dict(counter)
 
     def ranks(group: Any) -> str:
         return ",".join(map(str, dist.get_process_group_ranks(group)))
 
     return {
         "counts": counts,
+        "syncs": syncs,
         "dp_cp_ranks": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "cp_ranks": ranks(ps.get_context_parallel_group()),
         "pp_ranks": ranks(ps.get_pipeline_model_parallel_group()),
         "loss_stage": ps.is_pipeline_last_stage(ignore_virtual=True),
     }
@@ -282,15 +366,29 @@ def _expected_extra(mode: str, info: dict[str, Any]) -> Counts:
     """``off``: nothing. A plugin mode: two all-reduces over DP x CP on loss-stage ranks of a
     data-parallel run (counts and checks before the step, the loss stage's verdict after it),
     and ``group_mean`` a third, the per-group token counts; two over the pipeline group on
-    every rank with PP."""
+    every rank with PP. Masks decided in the loss: see the module docstring."""
     if mode == "off":
         return {}
-    extra = {}
-    if info["loss_stage"] and "," in info["dp_cp_ranks"]:
-        extra[f"all_reduce@{info['dp_cp_ranks']}"] = 3 if mode == "group_mean" else 2
+    agreements = 3 if mode.endswith("+counting") else 2
+    extra: collections.Counter = collections.Counter()
+    cp = "," in info["cp_ranks"]
+    if info["loss_stage"] and ("," in info["dp_cp_ranks"]):
+        extra[f"all_reduce@{info['dp_cp_ranks']}"] = agreements + (mode == "group_mean")
     if "," in info["pp_ranks"]:
-        extra[f"all_reduce@{info['pp_ranks']}"] = 2
-    return extra
+        extra[f"all_reduce@{info['pp_ranks']}"] = agreements
+    if mode in KEPT_VARIANTS and cp and info["loss_stage"]:
+        per_microbatch = KEPT_VARIANTS[mode]["reduction"] in ("sequence_mean", "token_mean_legacy")
+        extra[f"all_reduce@{info['cp_ranks']}"] = NUM_MICROBATCHES if per_microbatch else 1
+    if mode.endswith("+counting"):  # and a forward pass: its TP and pipeline traffic
+        extra.update(info["counts"]["stock-forward-only"])
+    return dict(extra)
+
+
+def _expected_syncs(mode: str, info: dict[str, Any]) -> int:
+    """Host reads per step outside Megatron's schedule beyond stock's: one per agreement."""
+    if mode == "off":
+        return 0
+    return 3 if mode.endswith("+counting") else 2
 
 
 # (id, layout, world size, calculate_per_token_loss)
@@ -301,6 +399,7 @@ CASES = [
     ("tp2-dp2", Layout(tp=2), 4, False),
     ("pp2-dp2", Layout(pp=2), 4, False),
     ("pp2-dp2-per-token", Layout(pp=2), 4, True),
+    ("cp2-dp2", Layout(cp=2), 4, False),
 ]
 
 
@@ -308,16 +407,25 @@ CASES = [
     "layout, world, per_token", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_extra_collectives_per_mode(dist_pool, layout, world, per_token):
-    variants = ("stock", *MODES)
+    modes = (*MODES, *KEPT_VARIANTS)
+    variants = ("stock", *modes)
     normal = dist_pool.run(_step_counts, world, layout, per_token, variants, False)
     empty = dist_pool.run(_step_counts, world, layout, per_token, variants, True)
     for rank, (got, got_empty) in enumerate(zip(normal, empty, strict=True)):
         stock = got["counts"]["stock"]
         assert stock, f"rank {rank}: no collective counted at all; the counter is broken"
-        for mode in MODES:
+        stock_syncs = got["syncs"]["stock"]
+        for mode in modes:
             extra = _extra(got["counts"][mode], stock)
             want = _expected_extra(mode, got)
             assert extra == want, f"rank {rank}, {mode}: extra collectives {extra}, want {want}"
+            syncs = got["syncs"][mode]
+            # None in the micro-batch loop (the counting pass runs the schedule twice: twice
+            # stock's own); one host read per agreement otherwise.
+            loops = 2 if mode.endswith("+counting") else 1
+            assert syncs.get("loop", 0) == loops * stock_syncs.get("loop", 0), (rank, mode, syncs)
+            step_extra = syncs.get("step", 0) - stock_syncs.get("step", 0)
+            assert step_extra == _expected_syncs(mode, got), (rank, mode, syncs, stock_syncs)
         # Same collectives when a DP rank has no loss token: nothing branches on the data.
         for variant in variants:
             assert got_empty["counts"][variant] == got["counts"][variant], (

@@ -81,7 +81,7 @@ def test_self_check_from_flags():
 def test_recorder_reads_next_only_iterators_and_keeps_copies():
     """Megatron-LM wraps data in RerunDataIterator, which has ``__next__`` and no ``__iter__``;
     forward_step may pop keys from the dict it gets, which must not reach the record."""
-    from megatron_lossfix.selfcheck import _recorded
+    from megatron_lossfix.counting_pass import recorded
 
     class NextOnly:
         def __init__(self, items):
@@ -92,7 +92,7 @@ def test_recorder_reads_next_only_iterators_and_keeps_copies():
 
     batches = [{"tokens": torch.ones(2), "tag": 1}, {"tokens": torch.zeros(2), "tag": 2}]
     seen: list = []
-    recorder = _recorded(NextOnly(batches), seen)
+    recorder = recorded(NextOnly(batches), seen)
     first = next(recorder)
     assert first is batches[0]
     first.pop("tag")

@@ -45,6 +45,7 @@ from megatron_lossfix.audit.options import (
     validate_options,
 )
 from megatron_lossfix.audit.oracle import OracleCase, layout_grads
+from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE
 from megatron_lossfix.audit.pool import DistPool
 from megatron_lossfix.audit.report import AuditReport, Progress, format_table, plot_report
 from megatron_lossfix.audit.stacks import load_stack
@@ -79,14 +80,16 @@ def run_audit(
     if opts.stack is not None:
         return _run_stack(opts, pool, progress, stack_worker)
     started = time.perf_counter()
+    rows = opts.rows
     report = AuditReport(
         options=options_json(opts),
-        modes=list(opts.modes),
+        modes=list(rows),
         layouts=[{**asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
+        baselines=("off", *(r for r in rows if r.endswith(COUNTED_BEFORE))),
     )
     cases = [opts.case(lay) for lay in opts.layouts]
     placements = [(lay, c, lay.plan(c)) for lay, c in zip(opts.layouts, cases, strict=True)]
-    jobs = reference_jobs(opts.modes, placements)
+    jobs = reference_jobs(rows, placements)
     bar = Progress(len(jobs) + len(opts.layouts), progress)
     world = max(lay.world_size for lay in opts.layouts)
     own_pool = pool is None
@@ -141,7 +144,7 @@ def _run_one(
             lay.parallel(),
             lay.world_size,
             lay.num_microbatches,
-            opts.modes,
+            opts.rows,
             refs=refs,
             worker=worker,
         )
@@ -149,7 +152,7 @@ def _run_one(
         report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
         bar.advance(f"{lay.name} FAILED")
         return
-    for mode in opts.modes:
+    for mode in opts.rows:
         report.add_result(mode, lay, checks[mode], opts.tolerance)
     bar.advance(lay.name)
 

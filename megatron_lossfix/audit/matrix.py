@@ -23,6 +23,7 @@ from megatron_lossfix.audit.oracle import (
     microbatch_plan,
     reference_grads,
     relative_error,
+    row_settings,
 )
 from megatron_lossfix.audit.tiny_gpt import Layout
 from megatron_lossfix.reduction import canonical_mode
@@ -172,7 +173,9 @@ class ReferenceJob:
 
 
 def reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Plan | None]:
-    """The key of ``case``'s reference for ``mode`` under ``plan`` in :func:`compute_references`."""
+    """The key of ``case``'s reference for ``mode`` (a matrix row: its variants share their
+    mode's reference) under ``plan`` in :func:`compute_references`."""
+    mode = row_settings(mode)[0]
     # OracleCase holds dicts (unhashable); its repr lists every field, so it identifies the case.
     if mode == "token_mean_legacy":
         return (repr(case), mode, plan)

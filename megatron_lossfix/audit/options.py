@@ -15,6 +15,7 @@ from megatron_lossfix.audit.matrix import (
     parse_layout,
 )
 from megatron_lossfix.audit.oracle import OracleCase
+from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE, COUNTING_PASS
 from megatron_lossfix.audit.stacks import STACKS, load_stack
 from megatron_lossfix.reduction import ALIASES, MODES
 
@@ -41,6 +42,16 @@ TERMS = ("all", "kl_entropy", "sft")
 
 #: Experts per layer of the MoE model that EP layouts run (divisible by every EP size allowed).
 MOE_EXPERTS = 4
+
+#: ``--mask-in-loss``: the RL objective (PPO, KL, entropy) with the two masks it decides from
+#: the current log-probs: an importance-ratio band per token against the fixed old log-probs,
+#: and off-policy sequence masking (docs/design.md §10).
+MASKED_OBJECTIVE: dict[str, Any] = {
+    "kl_coef": 0.1,
+    "entropy_coef": 0.01,
+    "ratio_band": (0.75, 1.3),
+    "offpolicy_kl_threshold": 0.05,
+}
 
 #: ``build_tiny_gpt`` arguments of each ``--model-size``.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -70,6 +81,21 @@ class AuditOptions:
     terms: str = "all"
     """With ``stack``: the loss terms audited (:data:`TERMS`), where the stack offers a choice
     (its ``TERMS``)."""
+    mask_in_loss: bool = False
+    """The objective decides a mask inside the loss (:data:`MASKED_OBJECTIVE`), and every mode
+    runs with ``mask_in_loss`` (rows :attr:`rows`)."""
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """The matrix's rows: the modes; with :attr:`mask_in_loss` each plugin mode also
+        through the counting pass, and counted before the forward (zeroed, still counted: the
+        baseline that shows what excluding the dropped tokens changes)."""
+        if not self.mask_in_loss:
+            return self.modes
+        rows = []
+        for mode in self.modes:
+            rows += [mode] if mode == "off" else [mode, mode + COUNTING_PASS, mode + COUNTED_BEFORE]
+        return tuple(rows)
 
     def case(self, layout: AuditLayout) -> OracleCase:
         """The oracle's model and data for ``layout``."""
@@ -84,12 +110,20 @@ class AuditOptions:
             model["no_attention"] = True
         if layout.ep > 1:
             model["num_experts"] = MOE_EXPERTS
+        masked: dict[str, Any] = {}
+        if self.mask_in_loss:
+            masked = {
+                "objective": "ppo",
+                "rl_kwargs": dict(MASKED_OBJECTIVE),
+                "schedule_kwargs": {"mask_in_loss": True},
+            }
         return OracleCase(
             global_batch_size=self.global_batch_size,
             seq_length=self.seq_length,
             seed=self.seed,
             per_token=self.per_token_loss,
             model_kwargs=model,
+            **masked,
         )
 
 
@@ -108,6 +142,8 @@ def _allowed_modes(stack: str | None, terms: str) -> tuple[str, ...]:
 
 def validate_options(opts: AuditOptions) -> None:
     """Raise ``ValueError``, naming the layout and the flag, for a matrix that cannot run."""
+    if opts.mask_in_loss and opts.stack is not None:
+        raise ValueError("--mask-in-loss audits the plugin's own modes: drop --stack")
     allowed = _allowed_modes(opts.stack, opts.terms)
     bad = [m for m in opts.modes if m not in allowed]
     if bad:
@@ -209,6 +245,16 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "required) "
         f"with '-', at most 8 ranks; e.g. {', '.join(LAYOUT_PRESETS)}. CP layouts replace "
         "attention by identity (no Transformer Engine on CPU)",
+    )
+    parser.add_argument(
+        "--mask-in-loss",
+        action="store_true",
+        help="the objective decides inside the loss which tokens count (PPO with an "
+        "importance-ratio band per token against fixed old log-probs and off-policy sequence "
+        "masking, from the current log-probs); every mode runs with --lossfix-mask-in-loss, "
+        "as is and through the counting pass, against a one-rank reference that applies the "
+        "same mask, and must pass. Rows '<mode> (counted before)' zero the dropped tokens but "
+        "keep counting them (allowed to miss, by about the dropped fraction)",
     )
     parser.add_argument(
         "--stack",
@@ -316,4 +362,5 @@ def options_from_args(args: argparse.Namespace) -> AuditOptions:
         timeout_s=args.timeout,
         stack=args.stack,
         terms=args.terms,
+        mask_in_loss=args.mask_in_loss,
     )

@@ -24,6 +24,7 @@ from megatron_lossfix.audit.oracle_case import (
     make_global_batch,
     microbatch_plan,
     prompt_groups,
+    row_settings,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "reference_grads",
     "reference_weights",
     "relative_error",
+    "row_settings",
     "set_moe_aux_scale",
 ]
 
@@ -93,12 +95,19 @@ def _forward_step(case: OracleCase, num_microbatches: int, data_iterator: Any, m
     # Under ``off`` no weights come in: the loss mask is stock's weight.
     weights = batch.get("loss_weights", batch["loss_mask"])
     if case.objective == "sft":
-        loss_func = partial(weighted_loss, weights)
+        loss_func = partial(weighted_loss, weights, keep=_sft_keep(case))
     else:
         loss_func = partial(_rl_loss, case, batch, weights)
     if "loss_weights" in batch:
         return output, loss_func
     return output, partial(_stock_report, case, num_microbatches, loss_func)
+
+
+def _sft_keep(case: OracleCase) -> Any:
+    """The SFT loss's own mask: tokens whose cross entropy is below ``case.sft_keep_below``."""
+    if case.sft_keep_below is None:
+        return None
+    return lambda per_token: per_token < case.sft_keep_below
 
 
 def _stock_report(case: OracleCase, num_microbatches: int, loss_func: Any, output: Any) -> tuple:
@@ -224,10 +233,8 @@ def layout_grads(
         distributed = bool(case.model_kwargs.get("use_distributed_optimizer"))
         optimizer = _optimizer(case, chunks, distributed) if case.optimizer else None
         # The oracle is the check here: the first-step re-split check only when a case asks.
-        kwargs = {"self_check": False, **case.schedule_kwargs}
-        schedule = LossFixSchedule(
-            LossFixConfig(reduction=mode, norm_constant=case.norm_for(mode), **kwargs)
-        )
+        kwargs = {"self_check": False, **case.config_kwargs(mode)}
+        schedule = LossFixSchedule(LossFixConfig(**kwargs))
         # No optimizer here: the gradients are gathered before _optimizer_step.
         train_step(
             schedule,
@@ -240,7 +247,7 @@ def layout_grads(
             micro_batch_size=mbs[0]["tokens"].shape[0],
         )
         metrics = schedule.step_metrics()
-        if mode == "off":
+        if row_settings(mode)[0] == "off":
             metrics = _stock_loss(case, metrics)
         result = {"grads": tiny_gpt.gather_full_grads(chunks), "metrics": metrics}
         if optimizer is not None:
@@ -329,10 +336,13 @@ def reference_grads(
     model.zero_grad_buffer()
     mtp_logits = _capture_mtp_logits(model, config)
     output = _model_output(case, model, batch)
+    # A mask the loss decides is applied before the weights are counted: the kept tokens are
+    # the loss mask here, as they are in the mode's definition (docs/design.md §10).
+    kept = batch["loss_mask"] * _reference_keep(case, batch, output)
     if case.objective == "sft":
-        loss = weighted_sum(output, weights_of(batch["loss_mask"]))
+        loss = weighted_sum(output, weights_of(kept))
     else:
-        loss = _rl_loss(case, batch, weights_of(batch["loss_mask"]), output)[0]
+        loss = _rl_loss(case, batch, weights_of(kept), output)[0]
     main_loss = float(loss)
     mtp_losses: list[torch.Tensor] = []
     if mtp_logits is not None:
@@ -343,10 +353,32 @@ def reference_grads(
     loss.backward()
     model.finish_grad_sync()
     result = {"grads": gather_full_grads(chunks), "loss": main_loss}
+    if case.masks_in_loss:
+        mask = batch["loss_mask"]
+        result["kept_token_fraction"] = float(kept.sum() / mask.sum().clamp(min=1))
     result.update({f"mtp_loss_{j}": float(v) for j, v in enumerate(mtp_losses, start=1)})
     if optimizer is not None:
         result.update(_optimizer_step(optimizer, chunks, gather_full_params))
     return result
+
+
+def _reference_keep(case: OracleCase, batch: dict, output: torch.Tensor) -> torch.Tensor:
+    """The mask the case's loss decides from one rank's forward pass (1 where it decides none),
+    computed as the loss computes it: on the detached per-token loss (SFT), or by
+    ``rl.masks.keep_mask`` on the log-probs of the logits (RL)."""
+    mask = batch["loss_mask"]
+    if not case.masks_in_loss:
+        return torch.ones_like(mask)
+    if case.objective == "sft":
+        return (output.detach() < case.sft_keep_below).to(mask.dtype)
+    from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
+    from megatron_lossfix.rl.masks import keep_mask
+
+    logprobs, _ = vocab_parallel_logprobs_entropy(output.detach(), batch["labels"])
+    old = torch.where(mask.bool(), batch["old_logprobs"], logprobs)
+    options = case.rl_objective().mask_options
+    keep, _ = keep_mask(logprobs, old, batch["advantages"], mask, **options)
+    return keep.to(mask.dtype)
 
 
 def _capture_mtp_logits(model: Any, config: Any) -> Any:

@@ -14,13 +14,32 @@ from typing import Any
 import torch
 
 __all__ = [
+    "COUNTED_BEFORE",
+    "COUNTING_PASS",
     "PROMPT_GROUP_SIZES",
     "OracleCase",
     "id_ranges",
     "make_global_batch",
     "microbatch_plan",
     "prompt_groups",
+    "row_settings",
 ]
+
+#: Row suffixes of a mask decided in the loss (docs/design.md §10): the mode through a counting
+#: pass, and the mode with the mask zeroed but still counted (what counting before the forward
+#: gives), compared with the same reference.
+COUNTING_PASS = " (counting pass)"
+COUNTED_BEFORE = " (counted before)"
+
+
+def row_settings(row: str) -> tuple[str, dict[str, Any]]:
+    """A matrix row's mode and the ``LossFixConfig`` fields its suffix sets."""
+    if row.endswith(COUNTING_PASS):
+        return row.removesuffix(COUNTING_PASS), {"counting_pass": True}
+    if row.endswith(COUNTED_BEFORE):
+        return row.removesuffix(COUNTED_BEFORE), {"mask_in_loss": False}
+    return row, {}
+
 
 #: Responses per prompt in the global batch, consecutive and repeated: under the matrix's
 #: layouts groups straddle DP ranks and micro-batches (24 sequences: rows 0-4, 5-8, 9-14, 15-17,
@@ -70,9 +89,34 @@ class OracleCase:
         default_factory=lambda: {"kl_coef": 0.1, "entropy_coef": 0.01, "dual_clip_c": 1.5}
     )
     """Extra ``rl_objective`` arguments of the RL objectives."""
+    sft_keep_below: float | None = None
+    """With ``sft``: the loss keeps only tokens whose cross entropy is below this (a mask
+    decided in the loss, ``weighted_loss(keep=)``)."""
     adam_eps: float = 1e-8
     """Adam's epsilon; a huge one makes the first Adam step linear in the (clipped) gradient,
     like SGD, which Megatron's optimizer factory refuses."""
+
+    @property
+    def masks_in_loss(self) -> bool:
+        """Whether the loss decides a mask from the forward pass."""
+        if self.objective == "sft":
+            return self.sft_keep_below is not None
+        return self.rl_objective().masks
+
+    def rl_objective(self) -> Any:
+        """The RL objective of an ``objective`` other than ``sft``."""
+        from megatron_lossfix.rl.objective import RLObjective
+
+        return RLObjective(policy_loss=self.objective, **self.rl_kwargs)
+
+    def config_kwargs(self, row: str) -> dict[str, Any]:
+        """``LossFixConfig`` arguments of a matrix row (:func:`row_settings`)."""
+        mode, overrides = row_settings(row)
+        kwargs = {**self.schedule_kwargs, **overrides, "reduction": mode}
+        if mode == "off":  # stock Megatron: nothing of the plugin's applies
+            kwargs.pop("mask_in_loss", None)
+            kwargs.pop("counting_pass", None)
+        return {**kwargs, "norm_constant": self.norm_for(mode)}
 
     def norm_for(self, mode: str) -> float | None:
         """The ``norm_constant`` to pass with ``mode``: C for ``seq_mean_token_sum_norm``, None

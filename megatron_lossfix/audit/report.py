@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import megatron_lossfix
+from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE
 
 if TYPE_CHECKING:
     from megatron_lossfix.audit.matrix import MatrixLayout, ReferenceJob
@@ -49,6 +50,7 @@ class AuditReport:
             loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
         # `off` reports Megatron's own mean of means, not L: only its gradient is compared.
         passed = grad_err <= tol and (baseline or loss_err is None or loss_err <= tol)
+        kept = check.get("reference", {}).get("kept_token_fraction")
         row = {
             "mode": mode,
             "layout": lay.name,
@@ -57,9 +59,10 @@ class AuditReport:
             "reference_loss": ref_loss,
             "loss_rel_error": None if baseline else loss_err,
             "passed": passed,
-            # With one micro-batch in the whole step stock Megatron is exact too.
-            "expected_to_pass": not baseline or lay.total_microbatches == 1,
+            "expected_to_pass": _expected_to_pass(mode, baseline, lay),
         }
+        if kept is not None:  # a mask decided in the loss: the share of loss tokens it kept
+            row["kept_token_fraction"] = kept
         self.results.append(row)
 
     @property
@@ -102,6 +105,16 @@ class AuditReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "environment": _environment(),
         }
+
+
+def _expected_to_pass(mode: str, baseline: bool, lay: MatrixLayout) -> bool:
+    """Plugin rows must pass; stock Megatron passes with one micro-batch in the whole step; a
+    mask counted before the forward (zeroed, still counted) only where nothing is normalized."""
+    if not baseline:
+        return True
+    if mode.endswith(COUNTED_BEFORE):
+        return mode.removesuffix(COUNTED_BEFORE) == "sum"
+    return lay.total_microbatches == 1
 
 
 def _environment() -> dict[str, str]:
@@ -236,10 +249,24 @@ def format_table(report: AuditReport) -> str:
         baseline = None
         if mode in report.baselines:
             baseline = "stock baseline" if mode == "off" else "as released"
+            if mode.endswith(COUNTED_BEFORE):
+                baseline = "baseline"
         verdict = _verdict(baseline, misses, errored, len(names))
         lines.append(_mode_label(mode).ljust(first) + "".join(cells) + "  " + verdict)
     for name, err in report.layout_errors.items():
         lines.append(f"layout {name} did not run: {err}")
+    kept = [r for r in report.results if "kept_token_fraction" in r]
+    dropped = {r["layout"]: 1 - r["kept_token_fraction"] for r in kept}
+    if dropped:
+        shares = [f"{share:.1%}" for share in dropped.values()]
+        usual = max(set(shares), key=shares.count)
+        others = [f"{s} on {name}" for name, s in zip(dropped, shares, strict=True) if s != usual]
+        lines.append(
+            f"mask decided in the loss: {usual} of the loss tokens dropped"
+            + (f" ({', '.join(others)})" if others else "")
+            + "; the rows '(counted before)' zero them but keep counting them (token_mean "
+            "misses by exactly that fraction)"
+        )
     verdict = "PASS" if report.passed else "FAIL"
     lines.append(
         f"{verdict}: {_count(len(report.failures), 'plugin result')} above tolerance, "
@@ -342,7 +369,8 @@ def _draw_axes(ax: Any, report: AuditReport, floor: float) -> None:
         f"megatron_lossfix audit: {verdict}\n"
         f"GPT {opts['num_layers']} layers, hidden {opts['hidden']}, "
         f"{opts['global_batch_size']} sequences x {opts['seq_length']} tokens, "
-        f"{'per-token' if opts['per_token_loss'] else 'per-micro-batch'} loss path",
+        f"{'per-token' if opts['per_token_loss'] else 'per-micro-batch'} loss path"
+        + (", mask decided in the loss" if opts.get("mask_in_loss") else ""),
         fontsize=11,
     )
 

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.kept import kept_weights, weighted_stats
 from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
+from megatron_lossfix.rl.masks import check_band, check_threshold, keep_mask
 from megatron_lossfix.rl.policy_losses import (
     KL_KINDS,
     POLICY_LOSSES,
@@ -77,6 +79,17 @@ class RLObjective:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus; non-zero needs ``entropy``."""
 
+    ratio_band: tuple[float, float] | None = None
+    """Importance-ratio band per token, ``(low, high)``: a loss token whose ratio
+    ``exp(logp - old)`` lies outside it is dropped (:mod:`megatron_lossfix.rl.masks`)."""
+
+    sequence_ratio_band: tuple[float, float] | None = None
+    """The same per sequence, on its geometric-mean ratio: the whole sequence is dropped."""
+
+    offpolicy_kl_threshold: float | None = None
+    """Off-policy sequence masking: a sequence with a negative advantage whose KL to the
+    behaviour policy (mean over its loss tokens of ``old - logp``) exceeds this is dropped."""
+
     def __post_init__(self) -> None:
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(
@@ -87,6 +100,23 @@ class RLObjective:
         if self.policy_loss != "ppo" and self.dual_clip_c is not None:
             raise ValueError("dual_clip_c is only supported with policy_loss='ppo'")
         check_eps(self.eps_low, self.eps_high)
+        check_band("ratio_band", self.ratio_band)
+        check_band("sequence_ratio_band", self.sequence_ratio_band)
+        check_threshold("offpolicy_kl_threshold", self.offpolicy_kl_threshold)
+
+    @property
+    def mask_options(self) -> dict[str, Any]:
+        """The options of :func:`~megatron_lossfix.rl.masks.keep_mask` this objective sets."""
+        return {
+            "ratio_band": self.ratio_band,
+            "sequence_ratio_band": self.sequence_ratio_band,
+            "offpolicy_kl_threshold": self.offpolicy_kl_threshold,
+        }
+
+    @property
+    def masks(self) -> bool:
+        """Whether the objective decides a mask from the current log-probs."""
+        return any(value is not None for value in self.mask_options.values())
 
 
 def rl_objective(
@@ -121,26 +151,40 @@ def rl_objective(
         ``(weighted_sum, stats)``; every stat is a detached 0-dim fp32 tensor, a plain sum unless
         its name ends in ``_min``/``_max``: ``pg_loss_sum``, ``kl_sum``, ``entropy_sum``
         (weighted by ``weights``), ``clip_low_count``, ``clip_high_count``, ``dual_clip_count``,
-        ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``num_tokens`` (over loss tokens, unweighted).
+        ``ratio_sum``, ``ratio_min``, ``ratio_max``, ``num_tokens`` (over the kept loss tokens,
+        unweighted); with the objective's masks also their counts (``rl.masks.keep_mask``).
+
+    The objective's masks (``ratio_band``, ``sequence_ratio_band``, ``offpolicy_kl_threshold``)
+    go through :func:`~megatron_lossfix.kept.kept_weights`: dropped tokens are zeroed, or leave
+    the normalization under ``LossFixConfig(mask_in_loss=True)`` (docs/design.md §10).
     """
     obj = RLObjective() if objective is None else objective
     _check_inputs(obj, logprobs, old_logprobs, weights, loss_mask, ref_logprobs, entropy)
     mask = loss_mask.bool()
-    # Padding may carry any old/ref log-prob (0, -inf, NaN); replacing it by the current log-prob
-    # makes the ratio 1 and the KL 0 there, so 0-weight tokens cannot inject NaN via 0 * inf.
     logp_const = logprobs.detach()
-    old = torch.where(mask, old_logprobs, logp_const)
+    keep, keep_stats = mask, {}
+    if obj.masks:
+        old = torch.where(mask, old_logprobs, logp_const)
+        keep, keep_stats = keep_mask(
+            logprobs, old, advantages, mask, cp_group=cp_group, **obj.mask_options
+        )
+    w = at_least_fp32(kept_weights(weights.detach(), keep if obj.masks else None))
+    weighted_stats("pg_loss_sum", "kl_sum", "entropy_sum")
+    # Padding and dropped tokens may carry any old/ref log-prob (0, -inf, NaN, a ratio that
+    # overflows); replacing it by the current log-prob makes the ratio 1 and the KL 0 there,
+    # so 0-weight tokens cannot inject NaN via 0 * inf, in the value or the gradient.
+    old = torch.where(keep, old_logprobs, logp_const)
     clip = {"eps_low": obj.eps_low, "eps_high": obj.eps_high}
     if obj.policy_loss == "ppo":
         pg, ind = ppo_token_loss(logprobs, old, advantages, dual_clip_c=obj.dual_clip_c, **clip)
     else:
-        pg, ind = gspo_token_loss(logprobs, old, advantages, mask, cp_group=cp_group, **clip)
-    w = at_least_fp32(weights).detach()
+        pg, ind = gspo_token_loss(logprobs, old, advantages, keep, cp_group=cp_group, **clip)
     if ref_logprobs is not None:
-        ref_logprobs = torch.where(mask, ref_logprobs, logp_const)
-    total, kl_sum, entropy_sum = _regularized(pg, w, mask, obj, logprobs, ref_logprobs, entropy)
-    stats = _rl_stats(pg, w, mask, ind)
+        ref_logprobs = torch.where(keep, ref_logprobs, logp_const)
+    total, kl_sum, entropy_sum = _regularized(pg, w, keep, obj, logprobs, ref_logprobs, entropy)
+    stats = _rl_stats(pg, w, keep, ind)
     stats.update(kl_sum=kl_sum.detach().float(), entropy_sum=entropy_sum.detach().float())
+    stats.update(keep_stats)
     return (w * total).sum(), stats
 
 
