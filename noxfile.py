@@ -127,6 +127,9 @@ def _install(session: nox.Session, release: str | None = None) -> None:
     world = os.path.abspath(os.path.join(".nox", f"world-{session.python}"))
     if _collect(session, f"world-{session.python}"):
         _see(session, os.path.join(world, "bin", "python"), "python")
+        # Its console scripts (torchrun, ...) too: nox puts this virtualenv's own before them.
+        path = session.env.get("PATH", os.environ["PATH"])
+        session.env["PATH"] = os.pathsep.join([os.path.join(world, "bin"), path])
     session.install(*_requirements(session.python, release))
 
 

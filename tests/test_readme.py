@@ -55,6 +55,11 @@ BRIEF_LAYOUTS = ("dp2-m3", "pp2-m4")
 #: Commands of the pages that are not run here: (part of the command, why).
 SKIPPED: tuple[tuple[str, str], ...] = (
     (
+        "examples/benchmark.py",
+        "a benchmark: minutes of timing rounds whose figures depend on the machine; it takes "
+        "no --train-iters to run briefly",
+    ),
+    (
         ".ci-venv/bin/nox",
         "the test command itself: CI runs it verbatim (test_ci_runs_the_readme_test_command)",
     ),
