@@ -121,10 +121,15 @@ def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
     return TORCH, core, "-e", ".[test]", *MEGATRON_LM_DEPS, *extra
 
 
+def _world(python: str) -> str:
+    """The folder of the ``python`` world that an earlier session builds ahead."""
+    return os.path.abspath(os.path.join(".nox", f"world-{python}"))
+
+
 def _install(session: nox.Session, release: str | None = None) -> None:
     """This world's packages; when ``tests-3.11`` built them ahead (``.nox/world-3.12``), this
     session's virtualenv sees those (as a ``_layer`` does) and pip finds all but the project."""
-    world = os.path.abspath(os.path.join(".nox", f"world-{session.python}"))
+    world = _world(session.python)
     if _collect(session, f"world-{session.python}"):
         _see(session, os.path.join(world, "bin", "python"), "python")
         # Its console scripts (torchrun, ...) too: nox puts this virtualenv's own before them.
@@ -210,7 +215,7 @@ def tests_311(session: nox.Session) -> None:
     """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
     _install(session)
     if DEFAULT_RUN:
-        world = os.path.abspath(os.path.join(".nox", "world-3.12"))
+        world = _world("3.12")
         python = os.path.join(world, "bin", "python")
         _ahead(session, "world-3.12", ("python3.12", "-m", "venv", "--clear", world),
                (python, "-m", "pip", "install", "-q", *_requirements("3.12")))  # fmt: skip
