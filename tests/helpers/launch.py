@@ -41,9 +41,11 @@ from pathlib import Path
 
 __all__ = ["Launch", "Result", "launch", "launch_side_by_side", "zygote_count"]
 
-#: Variables that differ between tests but not between what they import: not part of a
-#: zygote's key (its environment is that of the launch that started it).
-_PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
+#: Variables that differ between launches but not in what they import (a script reads them
+#: when it runs): not part of a zygote's key (its environment is that of the launch that
+#: started it; each rank gets its own launch's). ``LOSSFIX_RL_PLAN``: the RL replay's plan
+#: (``helpers/megatron_lm_rl.py``).
+_PER_TEST_ENV = ("PYTEST_CURRENT_TEST", "LOSSFIX_RL_PLAN")
 #: The fd number on which a zygote writes its replies (its stdout is the imports' output).
 _REPLY_FD_ENV = "LAUNCH_ZYGOTE_REPLY_FD"
 #: Threads a preload may leave running: jemalloc's background thread (pyarrow's allocator,
@@ -383,6 +385,7 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
 def _serve(folder: str, preload: Sequence[str]) -> None:
     """The zygote of scripts in ``folder``: import ``preload``, then fork ranks for each
     request read from stdin."""
+    import gc
     import importlib
     import select
     import signal
@@ -410,6 +413,10 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
     except BaseException as err:  # the caller raises it
         reply({"error": f"{type(err).__name__}: {err}"})
         return
+    # Out of the collector's way, in the zygote and every rank it forks: a full collection
+    # would otherwise scan all the preloaded objects (a quarter of a second each; Megatron-LM's
+    # RL loop collects at every iteration), and touching them would copy their pages.
+    gc.freeze()
     reply({"ready": True})
     jobs: dict[int, dict] = {}  # id -> {"pids": {pid: rank}, "codes": {rank: code}, "cpu_s"}
     pids: dict[int, int] = {}  # pid -> id

@@ -298,6 +298,9 @@ class Launch:
     #: Launch with torchrun, as users do, rather than forked from the tree's zygote
     #: (:mod:`helpers.launch`): at least one test per script should.
     torchrun: bool = False
+    #: What the zygote imports once, from the tree: by default the script's own module when it
+    #: lies in the tree; with none (a helper outside it, by default), torchrun launches it.
+    preload: Sequence[str] | None = None
 
 
 def run_pretrain_gpt(
@@ -329,12 +332,12 @@ def run_pretrain_gpts(
             args += ["--lossfix-metrics-out", str(launch.metrics_out)]
         tree = Path(launch.megatron_lm_path).resolve()
         script = tree / launch.script
-        # A script of the tree is preloaded from it; a helper outside it runs under torchrun.
-        in_tree = script.resolve().is_relative_to(tree)
+        preload = launch.preload
+        if preload is None:  # a script of the tree is preloaded from it
+            preload = [script.stem] if script.resolve().is_relative_to(tree) else []
         jobs.append(Job(script=script, args=args, nproc=launch.nproc, cwd=tree,
-                        env=megatron_lm_env(tree) | launch.env,
-                        preload=[script.stem] if in_tree else [],
-                        torchrun=launch.torchrun or not in_tree))  # fmt: skip
+                        env=megatron_lm_env(tree) | launch.env, preload=list(preload),
+                        torchrun=launch.torchrun or not preload))  # fmt: skip
     results = []
     done = launch_side_by_side(jobs, max_procs=max_procs, timeout=timeout)
     for launch, result in zip(launches, done, strict=True):
