@@ -72,9 +72,11 @@ RELEASE_TESTS = (
 MEGATRON_LM_DEPS = ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops",
                     "pytest-mock", "tensorboard", "wandb", "httpx", "fastapi", "uvicorn",
                     "openai", "tqdm")  # fmt: skip
-#: pytest's options in every world: two workers, a file's tests on one, the slowest tests
-#: listed, and a run in which every test skipped (a missing dependency) fails.
-PYTEST = ("-n", "2", "--dist", "loadfile", "-q", "-rs", "--durations=20", "--fail-if-none-ran")
+#: pytest's options in every world: two workers, a file's tests on one, handed out in the
+#: order tests/conftest.py gives (whole programs first), the slowest tests listed, and a run in
+#: which every test skipped (a missing dependency) fails.
+PYTEST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-q", "-rs",
+          "--durations=20", "--fail-if-none-ran")  # fmt: skip
 #: Megatron Bridge, verl and SkyRL cannot share the suite's virtualenv: Bridge brings an
 #: nvidia-resiliency-ext that breaks a plain ``import megatron.core``, and verl and SkyRL pin a
 #: transformers that Bridge refuses. Each gets a virtualenv layered over the suite's.

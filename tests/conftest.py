@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from helpers.launch import slots
 
 from megatron_lossfix.audit.pool import DistPool
 
@@ -48,6 +49,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     problems = tier_problems(items)
     if problems:
         raise pytest.UsageError("tests without a valid tier marker:\n" + "\n".join(problems))
+    # Whole programs first, then the oracle, then the unit tests (a stable sort: files keep
+    # their order within a tier). pytest-xdist hands out files in this order (the noxfile turns
+    # its reordering by test count off): the files that take minutes start early, and the run
+    # ends on short ones that keep both workers busy to the end.
+    order = list(TIERS)[::-1]
+    items.sort(key=lambda item: order.index(_tier(item)))
+
+
+def _tier(item: pytest.Item) -> str:
+    return next(m.name for m in item.iter_markers() if m.name in TIERS)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -85,10 +96,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print("\nno test ran: every selected test was skipped (--fail-if-none-ran)")
 
 
+class _SharingPool(DistPool):
+    """A pool whose runs hold the machine's slots for their ranks (``helpers.launch.slots``),
+    like the launches of the other pytest-xdist worker."""
+
+    def run(self, fn, world_size: int, *args, **kwargs) -> list:
+        with slots(world_size):
+            return super().run(fn, world_size, *args, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[DistPool]:
     """8 long-lived ranks, started on first use (imports cost seconds per rank) and shared by all
     tests; each `dist_pool.run(fn, world_size, ...)` gets a fresh gloo world of that size."""
-    pool = DistPool(max_ranks=8, timeout_s=120)
+    pool = _SharingPool(max_ranks=8, timeout_s=120)
     yield pool
     pool.close()

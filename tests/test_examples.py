@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from helpers.launch import Launch, launch, launch_side_by_side
+from helpers.launch import Launch, launch, launch_side_by_side, slots
 
 from megatron_lossfix.audit import pool
 
@@ -300,7 +300,8 @@ def test_bridge_mistake_is_printed_by_rank_0_only(scripts, capsys, monkeypatch):
 def test_torchrun_mistake_prints_one_line_for_all_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "examples" / "pretrain_gpt.py"), "--micro-batch-size", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    with slots(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert output.count("pretrain_gpt.py: error:") == 1, output

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.launch import slots
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
 from torch.overrides import TorchFunctionMode
 
@@ -446,18 +447,19 @@ def test_train_rl_refuses_before_the_first_step(rl_runs: _RLRuns) -> None:
         "--loss-norm-constant": ["--loss-reduction", "seq_mean_token_sum_norm"],
     }  # fmt: skip
     procs = []
-    for flags in cases.values():
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = str(free.getsockname()[1])
-        for rank in (0, 1):
-            job = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
-            env = megatron_lm_env(tree) | {k: str(v) for k, v in job.items()}
-            cmd = [sys.executable, str(tree / "train_rl.py"), *rl_args(train_iters=1), *flags]
-            procs.append(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    outputs = [proc.communicate(timeout=1200)[0] for proc in procs]
+    with slots(2 * len(cases)):
+        for flags in cases.values():
+            with socket.socket() as free:
+                free.bind(("127.0.0.1", 0))
+                port = str(free.getsockname()[1])
+            for rank in (0, 1):
+                job = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2,
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+                env = megatron_lm_env(tree) | {k: str(v) for k, v in job.items()}
+                cmd = [sys.executable, str(tree / "train_rl.py"), *rl_args(train_iters=1), *flags]
+                procs.append(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        outputs = [proc.communicate(timeout=1200)[0] for proc in procs]
     results = [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
     for k, flag in enumerate(cases):
         for rank in (0, 1):
@@ -498,8 +500,9 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     env = dict(os.environ)  # the reader's environment: this interpreter's bin first on PATH
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    with slots(2):
+        proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.launch import launch
+from helpers.launch import launch, slots
 from test_examples import PRELOAD, example_env
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +29,8 @@ def _own_loop(nproc: int, *args: str) -> subprocess.CompletedProcess:
         f"--nproc-per-node={nproc}", str(ROOT / "examples" / "own_loop.py"), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    with slots(nproc):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
 def _records(proc: subprocess.CompletedProcess) -> list[dict]:

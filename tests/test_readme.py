@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pytest
 from helpers import doc_pages
+from helpers.launch import slots
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Every page, one after the other: where the stated figures are looked up.
@@ -297,9 +298,9 @@ def readme_runs(tmp_path_factory) -> dict:
         if script in runs:  # the same command twice (intro and quick start): run once
             runs[command] = runs[script]
             continue
-        proc = subprocess.run(
-            ["bash", "-c", script], cwd=copy, env=env, capture_output=True, text=True, timeout=1200
-        )
+        with slots(2):  # a page's command runs up to 2 ranks at a time
+            proc = subprocess.run(["bash", "-c", script], cwd=copy, env=env, capture_output=True,
+                                  text=True, timeout=1200)  # fmt: skip
         runs[command] = runs[script] = proc
     return {"copy": copy, "runs": runs}
 

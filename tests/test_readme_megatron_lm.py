@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import doc_pages
+from helpers.launch import slots
 from helpers.megatron_lm_run import archives_folder, unpack_tag
 
 pytestmark = pytest.mark.e2e
@@ -74,9 +75,9 @@ def test_readme_cpu_command_runs_as_printed(tmp_path):
     for line in lines:
         if line.startswith("git clone") or re.match(r"^\S*/bin/pip install ", line):
             continue  # the stand-ins above
-        proc = subprocess.run(
-            ["bash", "-c", line], cwd=work, env=env, capture_output=True, text=True, timeout=1200
-        )
+        with slots(2):
+            proc = subprocess.run(["bash", "-c", line], cwd=work, env=env, capture_output=True,
+                                  text=True, timeout=1200)  # fmt: skip
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{line}\nexit {proc.returncode}:\n{output[-5000:]}"
         ran.append((line, output))

@@ -32,14 +32,16 @@ before the preload).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Launch", "Result", "launch", "launch_side_by_side", "zygote_count"]
+__all__ = ["Launch", "Result", "launch", "launch_side_by_side", "slots", "zygote_count"]
 
 #: Variables that differ between launches but not in what they import (a script reads them
 #: when it runs): not part of a zygote's key (its environment is that of the launch that
@@ -99,28 +101,23 @@ def launch(
     return launch_side_by_side([job], timeout=timeout)[0]
 
 
-def launch_side_by_side(
-    launches: Sequence[Launch], *, max_procs: int | None = None, timeout: float = 900
-) -> list[Result]:
-    """Run ``launches`` in order, each started as soon as its ranks fit beside the running ones
-    within ``max_procs`` processes (default: the cores plus one, shared among pytest-xdist's
-    workers); their results in order. A launch past ``timeout`` seconds raises TimeoutError.
+def launch_side_by_side(launches: Sequence[Launch], *, timeout: float = 900) -> list[Result]:
+    """Run ``launches`` in order, each started as soon as its ranks get the cores' slots
+    (:func:`slots`) beside the running ones; their results in order. A launch past ``timeout``
+    seconds raises TimeoutError.
 
     Two one-rank launches on two cores, or a one-rank launch beside a two-rank one, take little
     longer than one of them alone."""
     import tempfile
     import time
 
-    if max_procs is None:
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        max_procs = max(2, ((os.cpu_count() or 1) + 1) // workers)
     results: list[Result | None] = [None] * len(launches)
     pending = list(range(len(launches)))
     running: dict[int, tuple[_Running, float]] = {}
+    held = _SLOTS.open()
     try:
         while pending or running:
-            busy = sum(launches[i].nproc for i in running)
-            if pending and (not running or busy + launches[pending[0]].nproc <= max_procs):
+            if pending and held.take(pending[0], launches[pending[0]].nproc):
                 i = pending.pop(0)
                 running[i] = (_start(launches[i], tempfile.mkdtemp(prefix="launch-")), time.time())
                 continue
@@ -130,12 +127,87 @@ def launch_side_by_side(
                         raise TimeoutError(f"{launches[i].script} ran past {timeout} s")
                     continue
                 del running[i]
+                held.give(i)
                 results[i] = job.result()
             time.sleep(0.05)
     finally:
-        for job, _ in running.values():
+        for i, (job, _) in running.items():
             job.kill()
+            held.give(i)
     return results  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def slots(nproc: int) -> Iterator[None]:
+    """Hold the slots of ``nproc`` processes while the block runs (waiting for them first): for
+    a test that starts ranks other than through :func:`launch` (a page's ``torchrun`` command).
+
+    The machine has two slots per core, shared by every process of this test run
+    (pytest-xdist's workers: lock files named by its run id); a launch of ``n`` ranks holds
+    ``min(n, slots)``. Two workers' launches then share the cores up to two ranks a core, and
+    a launch of more ranks than that runs alone: an 8-rank gloo job, whose every collective
+    waits for its slowest rank, ran 5 times slower beside another worker's launches."""
+    import time
+
+    held = _SLOTS.open()
+    while not held.take("block", nproc):
+        time.sleep(0.05)
+    try:
+        yield
+    finally:
+        held.give("block")
+
+
+class _Slots:
+    """This process's side of the machine's slots (:func:`slots`): one lock file each."""
+
+    def __init__(self) -> None:
+        self.files: list[Any] = []
+        self.held: dict[object, list[int]] = {}
+
+    def open(self) -> _Slots:
+        if not self.files:
+            import tempfile
+
+            run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+            folder = Path(tempfile.gettempdir()) / f"launch-slots-{run}"
+            folder.mkdir(exist_ok=True)
+            count = 2 * (os.cpu_count() or 1)
+            self.files = [open(folder / str(k), "a") for k in range(count)]  # noqa: SIM115
+        return self
+
+    def take(self, key: object, nproc: int) -> bool:
+        """Take ``min(nproc, slots)`` free slots for ``key``, all or none; False when too few
+        are free now."""
+        import fcntl
+
+        mine = {k for taken in self.held.values() for k in taken}
+        want, got = min(nproc, len(self.files)), []
+        for k, f in enumerate(self.files):
+            if len(got) == want:
+                break
+            if k in mine:
+                continue
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                got.append(k)
+            except BlockingIOError:
+                pass
+        if len(got) < want:
+            for k in got:
+                fcntl.flock(self.files[k], fcntl.LOCK_UN)
+            return False
+        self.held[key] = got
+        return True
+
+    def give(self, key: object) -> None:
+        import fcntl
+
+        for k in self.held.pop(key, []):
+            fcntl.flock(self.files[k], fcntl.LOCK_UN)
+
+
+_SLOTS = _Slots()
 
 
 def zygote_count() -> int:

@@ -318,9 +318,7 @@ def run_pretrain_gpt(
     return run_pretrain_gpts([launch], timeout=timeout)[0]
 
 
-def run_pretrain_gpts(
-    launches: Sequence[Launch], *, max_procs: int | None = None, timeout: float = 900
-) -> list[RunResult]:
+def run_pretrain_gpts(launches: Sequence[Launch], *, timeout: float = 900) -> list[RunResult]:
     """Run ``launches`` side by side where the cores allow (:func:`launch_side_by_side`); results
     in order. Each rank is forked from a zygote that imported the script's module from its tree
     once (the tree's ``megatron`` package shadows the installed one): the first launch of a
@@ -339,7 +337,7 @@ def run_pretrain_gpts(
                         env=megatron_lm_env(tree) | launch.env, preload=list(preload),
                         torchrun=launch.torchrun or not preload))  # fmt: skip
     results = []
-    done = launch_side_by_side(jobs, max_procs=max_procs, timeout=timeout)
+    done = launch_side_by_side(jobs, timeout=timeout)
     for launch, result in zip(launches, done, strict=True):
         logged = [
             {"iteration": int(m[1]), "lm_loss": float(m[2]), "grad_norm": float(m[3])}
