@@ -14,9 +14,10 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
-In the default run (``nox`` alone, as CI runs it) the installs after the first one happen while
-tests run (``_ahead``): pip waits mostly on the network and the disk while the tests keep both
-cores busy, so the 3.12 world is built during the 3.11 tests, and the layers during the suite.
+In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
+(``_ahead``): pip waits mostly on the network and the disk, so ``lint`` starts both worlds'
+installs before its own checks (the 3.12 world goes on during the 3.11 tests), and the layers
+install during the suite.
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
@@ -77,6 +78,10 @@ MEGATRON_LM_DEPS = ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", 
 #: which every test skipped (a missing dependency) fails.
 PYTEST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-q", "-rs",
           "--durations=20", "--fail-if-none-ran")  # fmt: skip
+#: pip compiles every module it installs to bytecode (12,000 files a world); the tests import a
+#: fraction of them, which Python compiles on first import. The 3.11 world installed in 40 s
+#: with this, 117 s without.
+NO_COMPILE = ("--no-compile",)
 #: Megatron Bridge, verl and SkyRL cannot share the suite's virtualenv: Bridge brings an
 #: nvidia-resiliency-ext that breaks a plain ``import megatron.core``, and verl and SkyRL pin a
 #: transformers that Bridge refuses. Each gets a virtualenv layered over the suite's.
@@ -107,8 +112,8 @@ def _expose_pyenv_versions() -> None:
 _expose_pyenv_versions()
 
 
-#: Whether this is the default run (no session named), in which ``tests-3.11`` is followed by
-#: ``tests-3.12`` and may build its world ahead.
+#: Whether this is the default run (no session named), in which ``lint`` comes first and may
+#: start the test worlds' installs ahead.
 DEFAULT_RUN = not any(
     arg.startswith(("-s", "--session", "-e", "-k", "-t", "--tag")) for arg in sys.argv[1:]
 )
@@ -118,9 +123,12 @@ _SITE = "import site; print(site.getsitepackages()[0])"
 
 
 def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
+    """What a world installs besides this project: what the project's ``[test]`` install would
+    bring (read from ``setup.py``), pinned, and what Megatron-LM's scripts import."""
     extra = ("triton", "transformers") if python == "3.11" else ()
     core = f"megatron-core=={release or LATEST[python]}"
-    return TORCH, core, "-e", ".[test]", *MEGATRON_LM_DEPS, *extra
+    needs = (*_setup_kwarg("install_requires"), *_extra("test"))
+    return TORCH, core, *needs, *MEGATRON_LM_DEPS, *extra
 
 
 def _world(python: str) -> str:
@@ -129,7 +137,7 @@ def _world(python: str) -> str:
 
 
 def _install(session: nox.Session, release: str | None = None) -> None:
-    """This world's packages; when ``tests-3.11`` built them ahead (``.nox/world-3.12``), this
+    """This world's packages; when ``lint`` started them ahead (``.nox/world-<python>``), this
     session's virtualenv sees those (as a ``_layer`` does) and pip finds all but the project."""
     world = _world(session.python)
     if _collect(session, f"world-{session.python}"):
@@ -137,7 +145,7 @@ def _install(session: nox.Session, release: str | None = None) -> None:
         # Its console scripts (torchrun, ...) too: nox puts this virtualenv's own before them.
         path = session.env.get("PATH", os.environ["PATH"])
         session.env["PATH"] = os.pathsep.join([os.path.join(world, "bin"), path])
-    session.install(*_requirements(session.python, release))
+    session.install(*NO_COMPILE, *_requirements(session.python, release), "-e", ".[test]")
 
 
 def _pytest(session: nox.Session, *selection: str, python: str = "python") -> None:
@@ -189,21 +197,40 @@ def _collect(session: nox.Session, name: str) -> bool:
     return True
 
 
-def _extra(name: str) -> list[str]:
-    """The requirements of ``setup.py``'s extra ``name``, read without installing the project
-    (the docs build reads the sources; it needs neither torch nor megatron-core)."""
+def _setup_kwarg(name: str) -> object:
+    """The value of ``setup.py``'s keyword argument ``name``, read without running it."""
     with open("setup.py", encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    extras = next(
+    value = next(
         kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-        for kw in node.keywords if kw.arg == "extras_require"
+        for kw in node.keywords if kw.arg == name
     )  # fmt: skip
-    return ast.literal_eval(extras)[name]
+    return ast.literal_eval(value)
+
+
+def _extra(name: str) -> list[str]:
+    """The requirements of ``setup.py``'s extra ``name``, read without installing the project
+    (the docs build reads the sources; it needs neither torch nor megatron-core; the worlds
+    install the project itself in their sessions, not ahead: two editable builds at once would
+    share its egg-info)."""
+    return _setup_kwarg("extras_require")[name]
+
+
+def _build_ahead(session: nox.Session, python: str) -> None:
+    """Start installing the ``python`` world into ``.nox/world-<python>`` (``_install`` uses it)."""
+    world = _world(python)
+    pip = (os.path.join(world, "bin", "python"), "-m", "pip", "install", "-q", *NO_COMPILE)
+    _ahead(session, f"world-{python}", (f"python{python}", "-m", "venv", "--clear", world),
+           (*pip, *_requirements(python)))  # fmt: skip
 
 
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
-    """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra)."""
+    """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra).
+    In the default run it comes first, and starts both test worlds' installs beside it."""
+    if DEFAULT_RUN:
+        for python in LATEST:
+            _build_ahead(session, python)
     session.install(RUFF, *_extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -216,11 +243,6 @@ def lint(session: nox.Session) -> None:
 def tests_311(session: nox.Session) -> None:
     """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
     _install(session)
-    if DEFAULT_RUN:
-        world = _world("3.12")
-        python = os.path.join(world, "bin", "python")
-        _ahead(session, "world-3.12", ("python3.12", "-m", "venv", "--clear", world),
-               (python, "-m", "pip", "install", "-q", *_requirements("3.12")))  # fmt: skip
     _pytest(session, *RELEASE_TESTS)
 
 
@@ -233,7 +255,7 @@ def tests_312(session: nox.Session) -> None:
         pins = os.path.join(session.create_tmp(), "pins.txt")
         with open(pins, "w") as f:
             f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
-        pip = (rl, "-m", "pip", "install", "-q")
+        pip = (rl, "-m", "pip", "install", "-q", *NO_COMPILE)
         stacks = ((*pip, "--no-deps", VERL, SKYRL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))
         _ahead(
             session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"), *stacks

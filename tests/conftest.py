@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers.launch import slots
 
 from megatron_lossfix.audit.pool import DistPool
 
@@ -96,19 +95,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print("\nno test ran: every selected test was skipped (--fail-if-none-ran)")
 
 
-class _SharingPool(DistPool):
-    """A pool whose runs hold the machine's slots for their ranks (``helpers.launch.slots``),
-    like the launches of the other pytest-xdist worker."""
-
-    def run(self, fn, world_size: int, *args, **kwargs) -> list:
-        with slots(world_size):
-            return super().run(fn, world_size, *args, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[DistPool]:
     """8 long-lived ranks, started on first use (imports cost seconds per rank) and shared by all
     tests; each `dist_pool.run(fn, world_size, ...)` gets a fresh gloo world of that size."""
-    pool = _SharingPool(max_ranks=8, timeout_s=120)
+    pool = DistPool(max_ranks=8, timeout_s=120)
     yield pool
     pool.close()

@@ -146,7 +146,9 @@ def slots(nproc: int) -> Iterator[None]:
     (pytest-xdist's workers: lock files named by its run id); a launch of ``n`` ranks holds
     ``min(n, slots)``. Two workers' launches then share the cores up to two ranks a core, and
     a launch of more ranks than that runs alone: an 8-rank gloo job, whose every collective
-    waits for its slowest rank, ran 5 times slower beside another worker's launches."""
+    waits for its slowest rank, ran 5 times slower beside another worker's launches. (The rank
+    pool's runs, a few seconds each, do not wait for slots: holding them made the oracle's
+    8-rank runs wait out whole launches.)"""
     import time
 
     held = _SLOTS.open()
