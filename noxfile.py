@@ -173,14 +173,16 @@ def _see(session: nox.Session, below: str, above: str) -> None:
 
 
 def _ahead(session: nox.Session, name: str, *commands: tuple[str, ...]) -> None:
-    """Run ``commands`` one after another in a process of their own while the session goes on;
-    ``_collect(session, name)`` waits for them."""
+    """Run ``commands`` one after another in a process of their own (with the session's
+    environment) while the session goes on; ``_collect(session, name)`` waits for them."""
     log = os.path.abspath(os.path.join(".nox", f"{name}.log"))
     script = " && ".join(shlex.join(command) for command in commands)
+    env = {**os.environ, **session.env}
     with open(log, "w") as out:
-        process = subprocess.Popen(["bash", "-c", f"set -x; {script}"], stdout=out, stderr=out)
+        process = subprocess.Popen(["bash", "-c", f"set -x; {script}"], stdout=out, stderr=out,
+                                   env=env)  # fmt: skip
     _AHEAD[name] = (process, log)
-    session.log(f"{name}: installing beside the tests (log: {log})")
+    session.log(f"{name}: running beside the session (log: {log})")
 
 
 def _collect(session: nox.Session, name: str) -> bool:
@@ -188,12 +190,12 @@ def _collect(session: nox.Session, name: str) -> bool:
     if name not in _AHEAD:
         return False
     process, log = _AHEAD.pop(name)
-    session.log(f"{name}: waiting for its install")
+    session.log(f"{name}: waiting for it")
     status = process.wait()
     with open(log) as f:
         session.log(f.read())
     if status:
-        session.error(f"{name}: the install failed (exit {status}); its log is above")
+        session.error(f"{name}: failed (exit {status}); its log is above")
     return True
 
 
@@ -264,8 +266,12 @@ def tests_312(session: nox.Session) -> None:
     if session.posargs:
         return
     _collect(session, "layers-3.12")
-    _pytest(session, *BRIDGE_TESTS, python=bridge)
-    _pytest(session, *RL_TESTS, python=rl)
+    # Side by side: Bridge's tests are one file (one worker); the stacks' keep the other busy.
+    _ahead(session, "bridge-tests", (bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS))
+    try:
+        _pytest(session, *RL_TESTS, python=rl)
+    finally:
+        _collect(session, "bridge-tests")
 
 
 @nox.session(name="older-3.12", python="3.12", download_python="never", default=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from helpers.launch import slots
 
 from megatron_lossfix.audit.pool import DistPool
 
@@ -95,10 +96,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print("\nno test ran: every selected test was skipped (--fail-if-none-ran)")
 
 
+class _SharingPool(DistPool):
+    """The rank pool, holding two of the machine's slots per run (``helpers.launch.slots``): a
+    run is seconds, and need not wait for the other worker's launches, but an 8-rank launch
+    that holds them all then runs alone, and no run crowds in beside it."""
+
+    def run(self, fn, world_size: int, *args, **kwargs) -> list:
+        with slots(min(world_size, 2)):
+            return super().run(fn, world_size, *args, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[DistPool]:
     """8 long-lived ranks, started on first use (imports cost seconds per rank) and shared by all
     tests; each `dist_pool.run(fn, world_size, ...)` gets a fresh gloo world of that size."""
-    pool = DistPool(max_ranks=8, timeout_s=120)
+    pool = _SharingPool(max_ranks=8, timeout_s=120)
     yield pool
     pool.close()

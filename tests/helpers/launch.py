@@ -134,6 +134,7 @@ def launch_side_by_side(launches: Sequence[Launch], *, timeout: float = 900) -> 
         for i, (job, _) in running.items():
             job.kill()
             held.give(i)
+        held.give(None)  # the gate, if this call was waiting
     return results  # type: ignore[return-value]
 
 
@@ -146,25 +147,28 @@ def slots(nproc: int) -> Iterator[None]:
     (pytest-xdist's workers: lock files named by its run id); a launch of ``n`` ranks holds
     ``min(n, slots)``. Two workers' launches then share the cores up to two ranks a core, and
     a launch of more ranks than that runs alone: an 8-rank gloo job, whose every collective
-    waits for its slowest rank, ran 5 times slower beside another worker's launches. (The rank
-    pool's runs, a few seconds each, do not wait for slots: holding them made the oracle's
-    8-rank runs wait out whole launches.)"""
+    waits for its slowest rank, ran 5 times slower beside another worker's launches. (The
+    tests' rank pool holds two per run, whatever its world size: holding them all made the
+    oracle's 8-rank runs, seconds each, wait out whole launches.)"""
     import time
 
     held = _SLOTS.open()
-    while not held.take("block", nproc):
-        time.sleep(0.05)
     try:
+        while not held.take("block", nproc):
+            time.sleep(0.05)
         yield
     finally:
         held.give("block")
 
 
 class _Slots:
-    """This process's side of the machine's slots (:func:`slots`): one lock file each."""
+    """This process's side of the machine's slots (:func:`slots`): one lock file each, and a
+    gate: a taker that found too few free holds it while it waits, and no other process takes
+    slots meanwhile (a launch of all the slots is not starved by a stream of short runs)."""
 
     def __init__(self) -> None:
         self.files: list[Any] = []
+        self.gate: Any = None
         self.held: dict[object, list[int]] = {}
 
     def open(self) -> _Slots:
@@ -176,6 +180,7 @@ class _Slots:
             folder.mkdir(exist_ok=True)
             count = 2 * (os.cpu_count() or 1)
             self.files = [open(folder / str(k), "a") for k in range(count)]  # noqa: SIM115
+            self.gate = open(folder / "gate", "a")  # noqa: SIM115
         return self
 
     def take(self, key: object, nproc: int) -> bool:
@@ -183,6 +188,10 @@ class _Slots:
         are free now."""
         import fcntl
 
+        try:  # our own gate, or nobody's: go on; another process waits: wait behind it
+            fcntl.flock(self.gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
         mine = {k for taken in self.held.values() for k in taken}
         want, got = min(nproc, len(self.files)), []
         for k, f in enumerate(self.files):
@@ -195,18 +204,21 @@ class _Slots:
                 got.append(k)
             except BlockingIOError:
                 pass
-        if len(got) < want:
+        if len(got) < want:  # keep the gate
             for k in got:
                 fcntl.flock(self.files[k], fcntl.LOCK_UN)
             return False
+        fcntl.flock(self.gate, fcntl.LOCK_UN)
         self.held[key] = got
         return True
 
     def give(self, key: object) -> None:
+        """Free ``key``'s slots, and the gate (a waiter takes it again at its next try)."""
         import fcntl
 
         for k in self.held.pop(key, []):
             fcntl.flock(self.files[k], fcntl.LOCK_UN)
+        fcntl.flock(self.gate, fcntl.LOCK_UN)
 
 
 _SLOTS = _Slots()
