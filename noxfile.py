@@ -124,7 +124,9 @@ _SITE = "import site; print(site.getsitepackages()[0])"
 
 def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
     """What a world installs besides this project: what the project's ``[test]`` install would
-    bring (read from ``setup.py``), pinned, and what Megatron-LM's scripts import."""
+    bring (read from ``setup.py``), pinned, and what Megatron-LM's scripts import. The project
+    itself is installed by each session, not ahead: two editable builds at once (both worlds'
+    installs start together) would share its egg-info."""
     extra = ("triton", "transformers") if python == "3.11" else ()
     core = f"megatron-core=={release or LATEST[python]}"
     needs = (*_setup_kwarg("install_requires"), *_extra("test"))
@@ -212,9 +214,7 @@ def _setup_kwarg(name: str) -> object:
 
 def _extra(name: str) -> list[str]:
     """The requirements of ``setup.py``'s extra ``name``, read without installing the project
-    (the docs build reads the sources; it needs neither torch nor megatron-core; the worlds
-    install the project itself in their sessions, not ahead: two editable builds at once would
-    share its egg-info)."""
+    (the docs build reads the sources; it needs neither torch nor megatron-core)."""
     return _setup_kwarg("extras_require")[name]
 
 
