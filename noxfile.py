@@ -179,7 +179,8 @@ def _ahead(session: nox.Session, name: str, *commands: tuple[str, ...]) -> None:
     environment) while the session goes on; ``_collect(session, name)`` waits for them."""
     log = os.path.abspath(os.path.join(".nox", f"{name}.log"))
     script = " && ".join(shlex.join(command) for command in commands)
-    env = {**os.environ, **session.env}
+    # nox marks a variable to unset with None (PYTHONHOME, ...).
+    env = {k: v for k, v in {**os.environ, **session.env}.items() if v is not None}
     with open(log, "w") as out:
         process = subprocess.Popen(["bash", "-c", f"set -x; {script}"], stdout=out, stderr=out,
                                    env=env)  # fmt: skip

@@ -152,13 +152,13 @@ def slots(nproc: int) -> Iterator[None]:
     oracle's 8-rank runs, seconds each, wait out whole launches.)"""
     import time
 
-    held = _SLOTS.open()
+    held, key = _SLOTS.open(), object()  # a key of its own: such blocks may nest
     try:
-        while not held.take("block", nproc):
+        while not held.take(key, nproc):
             time.sleep(0.05)
         yield
     finally:
-        held.give("block")
+        held.give(key)
 
 
 class _Slots:
@@ -193,7 +193,9 @@ class _Slots:
         except BlockingIOError:
             return False
         mine = {k for taken in self.held.values() for k in taken}
-        want, got = min(nproc, len(self.files)), []
+        # (Beside this process's own slots, only what remains: a nested block cannot wait on
+        # slots its outer block holds.)
+        want, got = min(nproc, len(self.files) - len(mine)), []
         for k, f in enumerate(self.files):
             if len(got) == want:
                 break
