@@ -22,7 +22,8 @@ What a script sees differs from a torchrun launch only in what was imported befo
 (and in no torchrun agent: ``TORCHELASTIC_USE_AGENT_STORE`` is unset, so rank 0 hosts the
 store). ``torchrun=True`` launches with torchrun itself; users launch with torchrun, so at least
 one test of each script should. The zygote never starts a process group, and refuses a
-``preload`` that leaves threads running (a fork copies only the thread that forks). A
+``preload`` that leaves threads running (a fork copies only the thread that forks); where the
+preload starts CUDA (importing Megatron on a GPU machine), the launches run under torchrun. A
 ``preload`` entry is a module to import, or ``module:function`` to import and call (e.g. a CPU
 mode to switch on before the framework is imported, as the script itself would).
 
@@ -228,7 +229,7 @@ _SLOTS = _Slots()
 
 def zygote_count() -> int:
     """How many zygotes this process has started (each paid its ``preload`` once)."""
-    return len(_ZYGOTES)
+    return sum(zygote is not None for zygote in _ZYGOTES.values())
 
 
 # ------------------------------------------------------------------------- the calling side
@@ -298,19 +299,32 @@ def _start(job: Launch, tmp: str) -> _Running:
     env = dict(os.environ if job.env is None else job.env)
     cwd = os.path.abspath(job.cwd if job.cwd is not None else os.getcwd())
     first_on_path = cwd if job.module else os.path.dirname(os.path.abspath(job.script))
-    return _zygote(env, first_on_path, tuple(job.preload)).start(job, env, log)
+    zygote = _zygote(env, first_on_path, tuple(job.preload))
+    if zygote is None:  # the preload starts CUDA (a GPU machine): fresh processes, as torchrun
+        return _Torchrun(job, log)
+    return zygote.start(job, env, log)
 
 
-_ZYGOTES: dict[tuple, _Zygote] = {}
+class _CudaCannotFork(RuntimeError):
+    """The preload started CUDA's driver, whose threads and context a fork cannot copy."""
 
 
-def _zygote(env: dict[str, str], folder: str, preload: tuple[str, ...]) -> _Zygote:
+_ZYGOTES: dict[tuple, _Zygote | None] = {}
+
+
+def _zygote(env: dict[str, str], folder: str, preload: tuple[str, ...]) -> _Zygote | None:
     """The zygote of scripts in ``folder`` (their ``sys.path[0]``) with this environment and
-    ``preload``; started on first use."""
+    ``preload``; started on first use. None where the preload starts CUDA (remembered)."""
     shared = {k: v for k, v in env.items() if k not in _PER_TEST_ENV}
     key = (sys.executable, tuple(sorted(shared.items())), folder, preload)
-    if key not in _ZYGOTES or not _ZYGOTES[key].alive():
-        _ZYGOTES[key] = _Zygote(shared, folder, preload)
+    known = _ZYGOTES.get(key, False)
+    if known is None:
+        return None
+    if known is False or not known.alive():
+        try:
+            _ZYGOTES[key] = _Zygote(shared, folder, preload)
+        except _CudaCannotFork:
+            _ZYGOTES[key] = None
     return _ZYGOTES[key]
 
 
@@ -337,7 +351,8 @@ class _Zygote:
         ready = self._read()  # blocks until the preload is imported
         if "error" in ready:
             self.close()
-            raise RuntimeError(f"zygote for {list(preload)}: {ready['error']}")
+            error = _CudaCannotFork if ready.get("cuda") else RuntimeError
+            raise error(f"zygote for {list(preload)}: {ready['error']}")
         self.done: dict[int, dict] = {}
         self.next_id = 0
         atexit.register(self.close)
@@ -493,11 +508,14 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
         others = [task for task in os.listdir("/proc/self/task") if int(task) != os.getpid()]
         threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in others]
         threads = [name for name in threads if name not in _FORK_SAFE_THREADS]
+        torch = sys.modules.get("torch")
+        if any(name.startswith("cuda") for name in threads) or (
+            torch is not None and torch.cuda.is_initialized()
+        ):
+            reply({"error": f"importing it started CUDA ({threads}): cannot fork", "cuda": True})
+            return
         if threads:
             raise RuntimeError(f"importing it left threads running ({threads}): cannot fork")
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            raise RuntimeError("importing it initialized CUDA: cannot fork")
     except BaseException as err:  # the caller raises it
         reply({"error": f"{type(err).__name__}: {err}"})
         return
