@@ -51,13 +51,17 @@ RUFF = "ruff==0.17.6"
 LATEST = {"3.11": "0.16.1", "3.12": "0.19.2"}
 OLDER_312 = ("0.17.1", "0.18.2")
 #: What depends on the megatron-core release: Megatron's averaging pinned, the gradient oracle
-#: over the layout matrix, MTP, and Megatron-LM's own code at the release's tag (its patched
+#: over the layout matrix, MTP, the examples under DP2, PP2, MTP and MoE (each builds its model
+#: through the release's API), and Megatron-LM's own code at the release's tag (its patched
 #: ``pretrain_gpt.py`` dense, MoE and resized, and its pipeline-schedule tests).
 RELEASE_TESTS = (
     "tests/test_megatron_averaging.py",
     "tests/test_invariance.py",
     "tests/test_hard_layouts.py",
     "tests/test_mtp.py",
+    "tests/test_examples.py::test_pretrain_gpt_layouts_agree[token_mean]",
+    "tests/test_examples.py::test_pretrain_gpt_mtp_moe_layouts_agree[sequence_mean]",
+    "tests/test_grpo_example.py::test_ppo_rollouts_pp2_and_moe_layouts_agree",
     "tests/test_megatron_lm.py::test_patched_pretrain_gpt_is_layout_invariant",
     "tests/test_megatron_lm_moe.py",
     "tests/test_megatron_lm_resize.py",

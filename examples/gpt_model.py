@@ -192,13 +192,17 @@ def seed_weights(chunks: list, seed: int, only: Callable[[str], bool] | None = N
     layout gets the weights one rank has, and runs of two layouts compare step by step. Norms
     and biases keep Megatron's constant initial values. ``only``: a predicate on the key.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    # Megatron-LM's checkpointing passes the data-parallel group; megatron-core 0.16 reads it
+    # without a default where an MTP stage ties its copy of the embedding (MTP under PP).
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     for chunk in chunks:
         while hasattr(chunk, "module"):  # DDP, Float16Module
             chunk = chunk.module
-        for shard in nested_values(chunk.sharded_state_dict()):
+        for shard in nested_values(chunk.sharded_state_dict(metadata=metadata)):
             key = getattr(shard, "key", "")
             if not isinstance(shard, ShardedTensor) or not key.endswith(".weight"):
                 continue

@@ -90,7 +90,7 @@ def _one_rank(reduction: str) -> tuple[int, list[str]]:
     return 1, [*COMMON, "--micro-batch-size", "12", "--loss-reduction", reduction]
 
 
-# sequence_mean through the example: test_pretrain_gpt_mtp_layouts_agree (PP2, MTP).
+# sequence_mean through the example: test_pretrain_gpt_mtp_moe_layouts_agree (PP2, EP2, MTP).
 @pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["token_mean", "off"])
 def test_pretrain_gpt_layouts_agree(runs, reduction):
@@ -121,26 +121,15 @@ def test_off_reports_stocks_own_loss(runs):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(
-    "layout_args",
-    [
-        ["--context-parallel-size", "2", "--no-attention"],
-        ["--expert-model-parallel-size", "2", "--num-experts", "4"],
-    ],
-    ids=["cp2", "ep2-moe"],
-)
-def test_pretrain_gpt_cp_and_ep_layouts_agree(runs, layout_args):
-    """Context parallelism (attention-free layers on CPU) and expert parallelism against one
-    rank with one micro-batch; aux losses off, since by design they keep stock semantics."""
-    model = [a for a in layout_args if a in ("--no-attention",)]
-    if "--num-experts" in layout_args:
-        model += ["--num-experts", "4"]
+def test_pretrain_gpt_cp_layout_agrees(runs):
+    """Context parallelism (attention-free layers on CPU) against one rank with one
+    micro-batch. Expert parallelism: test_pretrain_gpt_mtp_moe_layouts_agree."""
     one, two = runs.get(
-        (1, [*COMMON, "--micro-batch-size", "12", *model]),
-        (2, [*COMMON, "--micro-batch-size", "2", *layout_args]),
+        (1, [*COMMON, "--micro-batch-size", "12", "--no-attention"]),
+        (2, [*COMMON, "--micro-batch-size", "2", "--context-parallel-size", "2", "--no-attention"]),
     )
     loss_diff, norm_diff = max_rel_diff(one, two, "loss"), max_rel_diff(one, two, "grad_norm")
-    assert loss_diff <= TOL and norm_diff <= TOL, (layout_args, loss_diff, norm_diff)
+    assert loss_diff <= TOL and norm_diff <= TOL, (loss_diff, norm_diff)
 
 
 # --- mistakes end as one line, before distributed start-up --------------------------------
@@ -236,6 +225,7 @@ def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
         (["--temperature", "0"], "argument --temperature: must be a finite number > 0, got 0"),
         (["--clip-eps-low", "1.5"], "--clip-eps-low must be < 1"),
         (["--kl-coef", "nan"], "argument --kl-coef: must be a finite number, got nan"),
+        (["--mtp-num-layers", "1"], "--mtp-num-layers is for pretrain_gpt.py"),
     ],
     ids=[
         "missing-rollouts",
@@ -246,6 +236,7 @@ def test_layout_checks_use_torchruns_world_size(scripts, capsys, monkeypatch):
         "temperature",
         "clip-eps-low",
         "kl-coef",
+        "mtp",
     ],
 )
 def test_grpo_mistakes_end_in_one_line(scripts, capsys, monkeypatch, tmp_path, args, message):
@@ -363,22 +354,32 @@ def test_pretrain_logs_what_the_data_loses(tmp_path):
     assert "data: 10 samples over 2 iterations at --seq-length 64: 4 truncated" in run.output
 
 
+#: MTP and MoE in one model: MTP layers that Megatron places on the last pipeline stage (where
+#: it ties a copy of the embedding), and experts split over the ranks. Aux losses stay off: by
+#: design they keep stock semantics.
+MTP_MOE = [*COMMON, "--mtp-num-layers", "2", "--position-embedding-type", "rope",
+           "--num-experts", "4"]  # fmt: skip
+
+
+# In noxfile.RELEASE_TESTS (the exact case): every megatron-core release builds and trains these.
 @pytest.mark.e2e
 @pytest.mark.parametrize("reduction", ["sequence_mean", "off"])
-def test_pretrain_gpt_mtp_layouts_agree(runs, reduction):
-    """Two MTP layers, one rank with one micro-batch against PP2 with 2-sequence micro-batches:
-    the grad norm covers the MTP gradient, which the plugin normalizes like the main loss;
-    stock Megatron's per-micro-batch MTP means differ."""
-    args = [*COMMON, "--mtp-num-layers", "2", "--position-embedding-type", "rope",
-            "--loss-reduction", reduction]  # fmt: skip
-    one, two = runs.get(
+def test_pretrain_gpt_mtp_moe_layouts_agree(runs, reduction):
+    """Two MTP layers and 4 experts: one rank with one micro-batch against PP2 and against
+    DP2 with the experts split over both ranks (EP2), 2-sequence micro-batches. The grad norm
+    covers the MTP gradient, which the plugin normalizes like the main loss; stock Megatron's
+    per-micro-batch MTP means differ."""
+    args = [*MTP_MOE, "--loss-reduction", reduction]
+    one, pp2, ep2 = runs.get(
         (1, [*args, "--micro-batch-size", "12"]),
         (2, [*args, "--micro-batch-size", "2", "--pipeline-model-parallel-size", "2"]),
+        (2, [*args, "--micro-batch-size", "2", "--expert-model-parallel-size", "2"]),
     )
-    norm_diff = max_rel_diff(one, two, "grad_norm")
-    if reduction == "off":
-        assert norm_diff > 1e-3, f"stock Megatron's MTP agreed: {norm_diff}"
-        return
-    assert norm_diff <= TOL and max_rel_diff(one, two, "loss") <= TOL, (one, two)
-    for key in ("mtp_loss_1", "mtp_loss_2"):
-        assert max_rel_diff(one, two, key) <= TOL, key
+    for name, two in (("pp2", pp2), ("dp2-ep2", ep2)):
+        norm_diff = max_rel_diff(one, two, "grad_norm")
+        if reduction == "off":
+            assert norm_diff > 1e-3, f"{name}: stock Megatron's MTP agreed: {norm_diff}"
+            continue
+        assert norm_diff <= TOL and max_rel_diff(one, two, "loss") <= TOL, (name, one, two)
+        for key in ("mtp_loss_1", "mtp_loss_2"):
+            assert max_rel_diff(one, two, key) <= TOL, (name, key)
