@@ -4,6 +4,7 @@ of the README and the docs pages in ``tests/test_readme.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -244,3 +245,119 @@ def test_audit_mask_in_loss(dist_pool, tmp_path, capsys, broken):
     else:
         assert code == 0 and report["passed"], report["failures"]
         assert rows["token_mean (counting pass)"]["grad_rel_error"] <= 1e-5
+
+
+# --- stack audits: their rows and where they write, without the frameworks (fake rows) ----
+
+
+class _FakeStackPool:
+    """Answers a stack audit's ``pool.run`` calls without Megatron or the framework: the
+    references are one gradient; the stack's worker gives each (row, mode) an error of its own,
+    far above the tolerance as released, below it through the adapter; SkyRL's own one-rank
+    run (``skyrl-vs-1rank``) is off by yet another amount. Rank 0's answer, as the pool's."""
+
+    max_ranks = 8
+
+    def __init__(self, rows: tuple[str, ...], modes: tuple[str, ...]) -> None:
+        self.rows, self.modes = rows, modes
+
+    def run(self, fn, nranks, *args):
+        import torch
+
+        ref = {"w": torch.ones(4)}
+        if fn.__name__ == "reference_grads":  # the plugin's reference (verl's stack)
+            return [{"grads": ref}]
+        if fn.__name__ == "skyrl_reference":
+            return [ref]
+        modes = args[2]  # (layout, case, modes, ...): a stack worker's arguments
+        if fn.__name__ == "skyrl_layout_grads":  # SkyRL on one rank, as released
+            return [{(self.rows[0], m): {"w": ref["w"] + 5e-4} for m in modes}]
+        scale = {self.rows[0]: 1e-3, self.rows[1]: 1e-7}
+        return [{(row, m): {"w": ref["w"] + scale[row] * (self.modes.index(m) + 1)}
+                 for row in self.rows for m in modes}]  # fmt: skip
+
+
+def _fake_stack_audit(monkeypatch, tmp_path, capsys, stack: str, *flags: str):
+    """``audit --stack STACK FLAGS`` in ``tmp_path`` on the fake pool; (exit status, stdout)."""
+    from megatron_lossfix.audit.stacks import load_stack
+
+    module = load_stack(stack)
+    rows = getattr(module, "ROWS", None) or (module.ROW, module.ADAPTED_ROW)
+    modes = tuple(module.MODES)
+    monkeypatch.setattr(audit, "_require_stack", lambda name: None)  # not installed here
+    monkeypatch.chdir(tmp_path)
+    worker = _FakeStackPool(rows, modes)
+    status = audit.main(
+        ["--stack", stack, "--layouts", "dp2-m3", "--no-plot", "--no-progress", *flags],
+        pool=worker,
+        stack_worker=lambda *a, **k: None,  # the fake pool answers in its place
+    )
+    return status, capsys.readouterr().out
+
+
+def _table_rows(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode ")) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith(("PASS", "FAIL")))
+    return [line.split()[0] for line in lines[start:end]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stack, mode", [("skyrl", "prompt_mean"), ("verl", "token-mean")])
+def test_a_stack_audit_of_one_mode_prints_each_row_once(monkeypatch, tmp_path, capsys, stack, mode):
+    """One mode: the worst-mode rows are that mode's rows; printing ``<stack>:<mode>`` beside
+    ``<stack>`` would repeat them. With two modes both kinds are there, the worst the larger."""
+    _, out = _fake_stack_audit(monkeypatch, tmp_path, capsys, stack, "--modes", mode)
+    rows = _table_rows(out)
+    assert len(rows) == len(set(rows)), out
+    assert stack in rows and f"{stack}+lossfix" in rows, out
+    assert not [r for r in rows if r.endswith(f":{mode}") and not r.startswith(f"{stack}-")], out
+    report = json.loads((tmp_path / "audit-out" / stack / "audit.json").read_text())
+    values = [tuple(v.values()) for v in report["errors"].values()]
+    assert len(values) == len(set(values)), report["errors"]  # no row repeats another's figures
+
+    from megatron_lossfix.audit.stacks import load_stack
+
+    two = tuple(load_stack(stack).MODES)[-2:]
+    _, out = _fake_stack_audit(monkeypatch, tmp_path, capsys, stack, "--modes", ",".join(two))
+    rows = _table_rows(out)
+    assert len(rows) == len(set(rows)) and {f"{stack}:{m}" for m in two} <= set(rows), out
+    errors = json.loads((tmp_path / "audit-out" / stack / "audit.json").read_text())["errors"]
+    assert errors[stack]["dp2-m3"] == max(errors[f"{stack}:{m}"]["dp2-m3"] for m in two)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "flags, folder",
+    [
+        (["--stack", "skyrl"], "audit-out/skyrl"),
+        (["--stack", "skyrl", "--modes", "prompt_mean"], "audit-out/skyrl"),
+        (["--stack", "skyrl", "--terms", "sft"], "audit-out/skyrl-sft"),
+        (["--stack", "verl"], "audit-out/verl"),
+        (["--mask-in-loss"], "audit-out/mask-in-loss"),
+        ([], "audit-out"),
+        (["--stack", "skyrl", "--out", "elsewhere"], "elsewhere"),
+    ],
+)
+def test_each_kind_of_audit_writes_to_a_folder_of_its_own(flags, folder):
+    """Without ``--out`` no kind of audit overwrites another's audit.json (the --help says
+    where each writes)."""
+    from megatron_lossfix.audit.options import add_audit_args, default_out, options_from_args
+
+    args = add_audit_args(argparse.ArgumentParser()).parse_args(flags)
+    assert (args.out or default_out(options_from_args(args))) == folder
+
+
+@pytest.mark.unit
+def test_a_stack_audit_writes_where_it_says(monkeypatch, tmp_path, capsys):
+    """``audit --stack skyrl --modes prompt_mean``: its own folder, the last line names it, and
+    the plugin audit's audit.json is left alone."""
+    main = tmp_path / "audit-out" / "audit.json"
+    main.parent.mkdir()
+    main.write_text("{}")
+    status, out = _fake_stack_audit(
+        monkeypatch, tmp_path, capsys, "skyrl", "--modes", "prompt_mean"
+    )
+    assert status == 0, out
+    assert out.splitlines()[-1] == "wrote audit-out/skyrl/audit.json"
+    assert main.read_text() == "{}" and (tmp_path / "audit-out/skyrl/audit.json").is_file()

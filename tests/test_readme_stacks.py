@@ -78,8 +78,8 @@ def test_the_extras_pin_what_ci_installs():
             assert pin in ci or f'"{pin}"' in nox, f"CI does not install {pin} ([{name}] does)"
 
 
-def _brief(cmd: str) -> tuple[list[str], str]:
-    """The command's argv with this interpreter and one layout, and the folder it writes."""
+def _brief(cmd: str) -> list[str]:
+    """The command's argv with this interpreter and one layout."""
     argv = shlex.split(cmd.split("#", 1)[0])
     assert argv[0] in {f"{_venv(stack)}/bin/python" for stack in STACKS}, cmd
     argv[0] = sys.executable
@@ -87,8 +87,7 @@ def _brief(cmd: str) -> tuple[list[str], str]:
         argv[argv.index("--layouts") + 1] = BRIEF_LAYOUT
     else:
         argv += ["--layouts", BRIEF_LAYOUT]
-    out = argv[argv.index("--out") + 1] if "--out" in argv else "audit-out"
-    return [*argv, "--no-plot"], out
+    return [*argv, "--no-plot"]
 
 
 @pytest.mark.e2e
@@ -97,11 +96,21 @@ def test_stack_audit_runs_as_printed(cmd, tmp_path):
     stack = re.search(r"--stack (\w+)", cmd)[1]
     if importlib.util.find_spec(stack) is None:
         pytest.skip(f"{stack} is not installed (the pages' {_venv(stack)} has it)")
-    argv, out = _brief(cmd)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        _brief(cmd), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
+    )
     assert proc.returncode == 0, f"{cmd}\nexit {proc.returncode}:\n{proc.stderr[-4000:]}"
-    report = json.loads((tmp_path / out / "audit.json").read_text())
+    # It writes where its last line says (a folder of its own: no stack audit overwrites another
+    # kind's audit.json), and prints each row once.
+    wrote = re.fullmatch(r"wrote (\S+/audit\.json)", proc.stdout.splitlines()[-1])
+    assert wrote, proc.stdout
+    if "--out" not in cmd:
+        assert wrote[1].startswith(f"audit-out/{stack}"), proc.stdout
+    report = json.loads((tmp_path / wrote[1]).read_text())
+    modes, rows = report["options"]["modes"], report["modes"]
+    if len(modes) == 1:  # the worst-mode rows are the mode's: not printed again as row:mode
+        assert not {f"{stack}:{modes[0]}", f"{stack}+lossfix:{modes[0]}"} & set(rows), rows
     assert report["passed"] is True and not report["did_not_run"], report["failures"]
     adapted = report["errors"][f"{stack}+lossfix"][BRIEF_LAYOUT]
     assert adapted <= report["tolerance"], adapted

@@ -40,6 +40,7 @@ from megatron_lossfix.audit.options import (
     AuditLayout,
     AuditOptions,
     add_audit_args,
+    default_out,
     options_from_args,
     options_json,
     validate_options,
@@ -233,7 +234,7 @@ def main(
         _quiet_known_warnings()
     progress = None if args.no_progress else sys.stderr
     report = run_audit(opts, pool=pool, progress=progress, worker=worker, stack_worker=stack_worker)
-    out = Path(args.out)
+    out = Path(args.out or default_out(opts))
     out.mkdir(parents=True, exist_ok=True)
     (out / "audit.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     print(format_table(report))

@@ -26,6 +26,7 @@ __all__ = [
     "AuditLayout",
     "AuditOptions",
     "add_audit_args",
+    "default_out",
     "options_from_args",
     "options_json",
     "validate_options",
@@ -36,6 +37,9 @@ AuditLayout = MatrixLayout
 DEFAULT_LAYOUTS = AUDIT_LAYOUTS
 
 TOLERANCE = 1e-5
+
+#: Where the audit writes without ``--out`` (:func:`default_out`).
+OUT = "audit-out"
 
 #: ``--terms``: what a stack audit covers (a stack offers those in its ``TERMS``).
 TERMS = ("all", "kl_entropy", "sft")
@@ -187,6 +191,17 @@ def validate_options(opts: AuditOptions) -> None:
             raise ValueError(f"layout {lay.name}: --seq-length must be divisible by 2 x cp")
 
 
+def default_out(opts: AuditOptions) -> str:
+    """Where a run writes without ``--out``: ``audit-out`` for the plugin's own audit; a folder
+    of its own inside it for a stack audit (``audit-out/<stack>``, ``audit-out/<stack>-<terms>``
+    for ``--terms`` other than ``all``) and for ``--mask-in-loss`` (``audit-out/mask-in-loss``),
+    so that no kind of audit overwrites another's ``audit.json``."""
+    if opts.stack is not None:
+        name = opts.stack if opts.terms == "all" else f"{opts.stack}-{opts.terms}"
+        return f"{OUT}/{name}"
+    return f"{OUT}/mask-in-loss" if opts.mask_in_loss else OUT
+
+
 def options_json(opts: AuditOptions) -> dict[str, Any]:
     out = asdict(opts)
     out["layouts"] = [lay.name for lay in opts.layouts]
@@ -274,8 +289,10 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="audit-out",
-        help="directory for audit.json and audit.png (created; default: ./audit-out)",
+        default=None,
+        help=f"directory for audit.json and audit.png (created; default: ./{OUT}, with "
+        f"--stack ./{OUT}/<stack> (./{OUT}/<stack>-<terms> with --terms other than all), with "
+        f"--mask-in-loss ./{OUT}/mask-in-loss)",
     )
 
 

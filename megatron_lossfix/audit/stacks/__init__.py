@@ -20,7 +20,7 @@ A stack module provides:
   run's settings for ``audit.json``; ``worker``: what every rank runs, which tests replace to
   bypass the adapter): the rows ``NAME`` (as released) and ``NAME+lossfix`` (through the
   adapter), worst mode per layout, plus one row per mode (``NAME:mode``,
-  ``NAME+lossfix:mode``).
+  ``NAME+lossfix:mode``) where the run checks more than one mode (``stacks.modes.mode_rows``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""A framework's loss aggregation modes and their counterparts among the plugin's modes."""
+"""A framework's loss aggregation modes, their counterparts among the plugin's modes, and the
+stack report's rows per mode."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["StackMode"]
+__all__ = ["StackMode", "mode_rows"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -19,3 +21,12 @@ class StackMode:
     """The framework divides by the configured number of sequences (empty ones included) where
     the plugin divides by the sequences that have loss tokens: its reference is the plugin's
     scaled by (non-empty sequences / all sequences)."""
+
+
+def mode_rows(rows: Sequence[str], modes: Sequence[str]) -> dict[tuple[str, str], str]:
+    """``(row, mode) -> "row:mode"``, the report's row of each stack row under each mode, where
+    the run checks more than one mode; with one mode the worst-mode rows ``rows`` are those
+    rows already (the table would print each twice), so there are none."""
+    if len(modes) < 2:
+        return {}
+    return {(row, mode): f"{row}:{mode}" for row in rows for mode in modes}

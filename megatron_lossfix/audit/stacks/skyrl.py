@@ -48,6 +48,7 @@ from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
 from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan, relative_error
 from megatron_lossfix.audit.oracle_case import prompt_groups
 from megatron_lossfix.audit.report import AuditReport, Progress
+from megatron_lossfix.audit.stacks.modes import mode_rows
 
 __all__ = [
     "DISTRIBUTION",
@@ -397,17 +398,18 @@ def run_stack(
     progress: IO[str] | None,
     worker: Callable[..., Any] = skyrl_layout_grads,
 ) -> AuditReport:
-    """Rows ``skyrl`` and ``skyrl+lossfix`` (worst mode per layout), one row per mode, and
+    """Rows ``skyrl`` and ``skyrl+lossfix`` (worst mode per layout), one row per mode where
+    there are several (:func:`~megatron_lossfix.audit.stacks.modes.mode_rows`), and
     ``skyrl-vs-1rank:<mode>`` (SkyRL against its own one-rank gradient: its layout dependence
     alone); ``worker`` runs on every rank (tests bypass the adapter through it)."""
     started = time.perf_counter()
     modes, terms = tuple(opts.modes), opts.terms
-    per_mode = [f"{row}:{m}" for row in ROWS for m in modes]
+    per_mode = mode_rows(ROWS, modes)
     # token_mean_legacy is defined by the micro-batch split: it has no layout-free value.
     own_modes = [m for m in modes if m != "token_mean_legacy"]
     report = AuditReport(
         options=options,
-        modes=[*ROWS, *per_mode, *(f"{SELF_ROW}:{m}" for m in own_modes)],
+        modes=[*ROWS, *per_mode.values(), *(f"{SELF_ROW}:{m}" for m in own_modes)],
         layouts=[{**dataclasses.asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
         baselines=(ROWS[0], *(f"{r}:{m}" for r in (ROWS[0], SELF_ROW) for m in modes)),
     )
@@ -431,7 +433,8 @@ def run_stack(
                 for row in ROWS:
                     err = relative_error(got[(row, mode)], refs[key])
                     worst[row] = max(worst[row], err)
-                    report.add_result(f"{row}:{mode}", lay, {"error": err}, opts.tolerance)
+                    if (row, mode) in per_mode:
+                        report.add_result(per_mode[row, mode], lay, {"error": err}, opts.tolerance)
                 if mode in own_modes:
                     if key[:2] not in own:
                         own[key[:2]] = pool.run(

@@ -38,7 +38,7 @@ import torch
 from megatron_lossfix.audit.matrix import compute_references, reference_jobs
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, relative_error
 from megatron_lossfix.audit.report import AuditReport, Progress
-from megatron_lossfix.audit.stacks.modes import StackMode
+from megatron_lossfix.audit.stacks.modes import StackMode, mode_rows
 
 __all__ = ["DISTRIBUTION", "LAYOUTS", "MODES", "layout_grads", "run_stack"]
 
@@ -285,16 +285,17 @@ def run_stack(
     progress: IO[str] | None,
     worker: Callable[..., Any] = layout_grads,
 ) -> AuditReport:
-    """Rows ``verl`` and ``verl+lossfix`` (worst mode per layout) and one row per mode;
-    ``worker`` runs on every rank (:func:`layout_grads`; tests bypass the adapter through it)."""
+    """Rows ``verl`` and ``verl+lossfix`` (worst mode per layout) and one row per mode where
+    there are several (:func:`~megatron_lossfix.audit.stacks.modes.mode_rows`); ``worker`` runs on
+    every rank (:func:`layout_grads`; tests bypass the adapter through it)."""
     import time
 
     started = time.perf_counter()
     modes = opts.modes
-    per_mode = [f"{row}:{m}" for row in (ROW, ADAPTED_ROW) for m in modes]
+    per_mode = mode_rows((ROW, ADAPTED_ROW), modes)
     report = AuditReport(
         options=options,
-        modes=[ROW, ADAPTED_ROW, *per_mode],
+        modes=[ROW, ADAPTED_ROW, *per_mode.values()],
         layouts=[{**dataclasses.asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
         baselines=(ROW, *(f"{ROW}:{m}" for m in modes)),
     )
@@ -330,7 +331,8 @@ def run_stack(
             for row, target in ((ROW, verl_ref), (ADAPTED_ROW, ref)):
                 err = relative_error(grads[row, m], target)
                 worst[row] = max(worst[row], err)
-                report.add_result(f"{row}:{m}", lay, {"error": err}, opts.tolerance)
+                if (row, m) in per_mode:
+                    report.add_result(per_mode[row, m], lay, {"error": err}, opts.tolerance)
         for row, err in worst.items():
             report.add_result(row, lay, {"error": err}, opts.tolerance)
         bar.advance(lay.name)
