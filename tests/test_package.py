@@ -96,3 +96,33 @@ def test_the_api_reference_covers_every_public_name():
         assert f"::: megatron_lossfix.{name}" in page, name
         assert hook.has_docstring(module, name), f"{module}.{name}"
         assert getattr(importlib.import_module(module), name) is getattr(megatron_lossfix, name)
+
+
+def _ruff(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+#: What the project's lint covers (pyproject.toml's ruff ``include``).
+PROJECT_FILES = ("megatron_lossfix/", "tests/", "examples/", "docs/", "noxfile.py", "setup.py",
+                 "pyproject.toml")  # fmt: skip
+
+
+def test_lint_checks_the_projects_own_files_only(tmp_path):
+    """``ruff check .`` (nox's lint) lints the project's files, not a Megatron-LM tree or a
+    virtualenv unpacked into the clone: with the project's ruff settings, a stray tree beside
+    the package is not checked; in this clone, every file ruff checks is the project's."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "pyproject.toml").write_text((repo / "pyproject.toml").read_text())
+    for path in ("megatron_lossfix/ok.py", "Megatron-LM-core_v0.16.1/megatron/bad.py"):
+        (tmp_path / path).parent.mkdir(parents=True)
+    (tmp_path / "megatron_lossfix" / "ok.py").write_text("X = 1\n")
+    (tmp_path / "Megatron-LM-core_v0.16.1" / "megatron" / "bad.py").write_text("import os\nx=1\n")
+    listed = _ruff("check", "--show-files", ".", cwd=tmp_path)
+    files = {Path(line).relative_to(tmp_path).as_posix() for line in listed.stdout.split()}
+    assert files == {"megatron_lossfix/ok.py", "pyproject.toml"}, listed.stdout
+    assert _ruff("check", ".", cwd=tmp_path).returncode == 0
+    assert _ruff("format", "--check", ".", cwd=tmp_path).returncode == 0
+    listed = _ruff("check", "--show-files", ".", cwd=repo)
+    files = [Path(line).relative_to(repo).as_posix() for line in listed.stdout.split()]
+    assert files and all(f.startswith(PROJECT_FILES) for f in files), files

@@ -249,13 +249,39 @@ def test_every_skip_names_a_readme_command():
         )
 
 
+def _created_by_the_pages() -> dict[str, str]:
+    """A path inside each thing a command of the pages creates in the clone -> the command:
+    its virtualenvs (``-m venv DIR``), the outputs it names (``--out``, ``--metrics-out``,
+    ``--save``) and, for an audit without ``--out``, the audit's own folder."""
+    from megatron_lossfix.audit.options import add_audit_args, default_out, options_from_args
+
+    created = {}
+    for cmd in COMMANDS:
+        for venv in re.findall(r"-m venv (\S+)", cmd):
+            created[f"{venv}/bin/python"] = cmd
+        for flag, path in re.findall(r"--(metrics-out|out|save)\s+(\S+)", cmd):
+            created[f"{path}/audit.json" if flag == "out" else path] = cmd
+        if "megatron_lossfix audit" in cmd and "--out" not in cmd:
+            tail = shlex.split(cmd.split("megatron_lossfix audit", 1)[1].split("#", 1)[0])
+            opts = options_from_args(add_audit_args(argparse.ArgumentParser()).parse_args(tail))
+            created[f"{default_out(opts)}/audit.json"] = cmd
+    return {path: cmd for path, cmd in created.items() if not path.startswith(("..", "/"))}
+
+
 @pytest.mark.unit
-def test_readme_commands_write_only_to_ignored_folders():
-    """Outputs named on a command line of the pages go under a folder git ignores (out/)."""
+def test_what_the_pages_create_is_ignored():
+    """Outputs named on a command line of the pages go under out/, and git ignores every
+    virtualenv, output and audit folder the pages' commands create (a clone stays clean)."""
     for cmd in COMMANDS:
         for path in re.findall(r"--(?:metrics-out|out)\s+(\S+)", cmd):
             assert path.startswith("out/"), f"{cmd}: writes {path} outside out/"
-    assert "/out/" in ROOT.joinpath(".gitignore").read_text().splitlines()
+    created = _created_by_the_pages()
+    assert {".venv/bin/python", ".venv312/bin/python", "audit-out/audit.json"} <= set(created)
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, text=True,
+                          input="\n".join(created), capture_output=True)  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr  # 1: none ignored
+    missed = {path: created[path] for path in set(created) - set(proc.stdout.splitlines())}
+    assert not missed, f"not in .gitignore (path: the command that creates it): {missed}"
 
 
 # ------------------------------------------------------------------------------ running them
