@@ -139,8 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write a Bridge (torch_dist) checkpoint into this directory after the last step "
         "(e.g. the base a LoRA run starts from)",
     )
-    add_lossfix_args(parser)
-    parser.set_defaults(loss_reduction="token_mean")
+    add_lossfix_args(parser, default_reduction="token_mean")
     args = parser.parse_args(argv)
     if args.lora_rank is None and (args.lora_alpha or args.pretrained_checkpoint):
         parser.error("--lora-alpha and --pretrained-checkpoint need --lora-rank")

@@ -18,7 +18,8 @@ from usage import ExampleArgumentParser  # a bad flag: one line from rank 0, exi
 import megatron_lossfix as lossfix
 from megatron_lossfix.args import non_negative_float, non_negative_int, positive_int
 
-parser = lossfix.add_lossfix_args(ExampleArgumentParser(description=__doc__.split("\n")[0]))
+parser = ExampleArgumentParser(description=__doc__.split("\n")[0])
+lossfix.add_lossfix_args(parser, default_reduction="token_mean")
 add, pos = parser.add_argument, positive_int  # argparse types: a bad value names its flag
 add("--micro-batch-size", type=pos, default=2, help="sequences per micro-batch")
 add("--global-batch-size", type=pos, default=8, help="sequences per step")
@@ -27,7 +28,6 @@ add("--train-iters", type=pos, default=3, help="optimizer steps")
 add("--lr", type=non_negative_float, default=1e-3, help="Adam learning rate")
 add("--seed", type=non_negative_int, default=1234, help="seed of the weights and the data")
 add("--skip-finalize-model-grads", action="store_true", help="leave it unset, to show the refusal")
-parser.set_defaults(loss_reduction="token_mean")
 args, VOCAB = parser.parse_args(), 128
 if args.global_batch_size % (args.micro_batch_size * int(os.environ.get("WORLD_SIZE", "1"))):
     parser.error("argument --global-batch-size: must be a multiple of --micro-batch-size x ranks")

@@ -44,8 +44,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "(rank 0; its folder is created)")
     out("--log-interval", type=positive_int, default=1, help="iterations between log lines")
     # fmt: on
-    lossfix.add_lossfix_args(parser)
-    parser.set_defaults(loss_reduction="token_mean")
+    lossfix.add_lossfix_args(parser, default_reduction="token_mean")
 
 
 def check_before_start(prog: str, args: argparse.Namespace) -> None:

@@ -97,7 +97,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             "sum, token_mean_legacy (reproduces the old mean of per-micro-batch means), "
             "group_mean or its alias prompt_mean (every prompt group equal, token mean inside "
             "it; needs group_ids and num_groups in the micro-batches), or off (a literal "
-            "pass-through to stock Megatron). Not given: the plugin stays out.",
+            "pass-through to stock Megatron).",
         ),
     ),
     (
@@ -187,19 +187,38 @@ _MEGATRON_LM_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def add_lossfix_args(
-    parser: argparse.ArgumentParser, *, megatron_lm: bool = False
+    parser: argparse.ArgumentParser,
+    *,
+    megatron_lm: bool = False,
+    default_reduction: str | None = None,
 ) -> argparse.ArgumentParser:
     """Add the plugin's flags, in one group, to ``parser`` and return it.
 
     ``megatron_lm=True`` (the patched Megatron-LM ``pretrain_gpt.py``) also adds
     ``--lossfix-metrics-out``; the example scripts have their own ``--metrics-out``.
+    ``default_reduction``: the mode a run without ``--loss-reduction`` takes (the examples:
+    ``token_mean``); ``None``, the default, keeps the plugin out of such a run. ``--help``
+    says which.
     """
+    modes = (*MODES, *ALIASES)
+    if default_reduction is not None and default_reduction not in modes:
+        raise ValueError(f"default_reduction {default_reduction!r}: choose from {modes} or None")
     group = parser.add_argument_group(
         "megatron_lossfix", "exact, layout-invariant loss normalization"
     )
     for flag, options in _FLAGS + (_MEGATRON_LM_FLAGS if megatron_lm else ()):
+        if flag == "--loss-reduction":
+            said = f"{options['help']} {_reduction_default(default_reduction)}"
+            options = {**options, "default": default_reduction, "help": said}
         group.add_argument(flag, **options)
     return parser
+
+
+def _reduction_default(mode: str | None) -> str:
+    """What ``--loss-reduction``'s help says a run without it does."""
+    if mode is None:
+        return "Not given: the plugin stays out (stock Megatron's own normalization)."
+    return f"Not given: {mode} (off for stock Megatron)."
 
 
 def from_args(args: argparse.Namespace) -> LossFixConfig | None:

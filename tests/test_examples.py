@@ -6,6 +6,7 @@ agree to 1e-5 relative for 3 iterations; with ``--loss-reduction off`` they must
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -285,6 +286,44 @@ def test_bridge_mistake_is_printed_by_rank_0_only(scripts, capsys, monkeypatch):
     assert "" == _one_line_error(
         scripts, capsys, monkeypatch, "bridge_pretrain.py", args, WORLD_SIZE="2", RANK="1"
     )
+
+
+def _help_of_loss_reduction(text: str) -> str:
+    """``--loss-reduction``'s help in ``--help``'s output, on one line."""
+    lines = text.split("\n  --loss-reduction ", 1)[1].split("\n  --", 1)[0]
+    return " ".join(lines.split())
+
+
+def _says_its_default(help_text: str, default: str | None) -> None:
+    if default is None:
+        assert "Not given: the plugin stays out" in help_text, help_text
+    else:
+        assert f"Not given: {default} " in help_text and "stays out" not in help_text, help_text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["pretrain_gpt.py", "grpo_gpt.py", "bridge_pretrain.py"])
+def test_loss_reductions_help_says_what_a_run_without_it_does(scripts, capsys, name):
+    """The examples run token_mean without the flag (their banner says reduction=token_mean);
+    the patched Megatron-LM keeps the plugin out. Each entry point's --help says its own."""
+    with pytest.raises(SystemExit):
+        scripts[name].parse_args(["--help"])
+    _says_its_default(_help_of_loss_reduction(capsys.readouterr().out), "token_mean")
+    assert scripts[name].parse_args([]).loss_reduction == "token_mean"
+    from megatron_lossfix.args import add_lossfix_args
+
+    megatron_lm = add_lossfix_args(argparse.ArgumentParser(prog="x"), megatron_lm=True)
+    _says_its_default(_help_of_loss_reduction(megatron_lm.format_help()), None)
+    assert megatron_lm.parse_args([]).loss_reduction is None
+
+
+@pytest.mark.e2e
+def test_own_loops_help_says_what_a_run_without_it_does():
+    """own_loop.py parses at import (a script, not a module): its --help, as a user runs it."""
+    cmd = [sys.executable, str(ROOT / "examples" / "own_loop.py"), "--help"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _says_its_default(_help_of_loss_reduction(proc.stdout), "token_mean")
 
 
 @pytest.mark.e2e
