@@ -262,7 +262,7 @@ def schedule_from_args(
 ) -> Callable[..., Any]:
     """The schedule to call where a training loop called ``get_forward_backward_func()``.
 
-    A :class:`~megatron_lossfix.LossFixSchedule` built from the flags; without
+    A [`LossFixSchedule`][megatron_lossfix.LossFixSchedule] built from the flags; without
     ``--loss-reduction`` its mode is ``off``: a literal pass-through to Megatron's own schedule
     (no collective, nothing added to the batches, the loss tuples handed on unchanged), so a
     ``loss_func`` that falls back to the loss mask when ``batch`` has no ``"loss_weights"`` works
@@ -270,7 +270,7 @@ def schedule_from_args(
     unless ``--no-lossfix-self-check`` (``LossFixConfig.self_check``): one line with the
     measured gradient change when it passes, ``SelfCheckError`` when not.
 
-    Raises ``ValueError`` for contradictory flags (see :func:`from_args`), and for
+    Raises ``ValueError`` for contradictory flags (see ``from_args``), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.
     """
     config = from_args(args) or LossFixConfig(reduction="off")

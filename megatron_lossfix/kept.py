@@ -112,7 +112,8 @@ def kept_weights(weights: torch.Tensor, keep: torch.Tensor | None = None) -> tor
     ``LossFixConfig(mask_in_loss=False)``, this is ``weights * keep``: dropped tokens are
     zeroed and still count. With ``mask_in_loss=True`` they leave the normalization (module
     docstring); the returned weights then hold only part of it until the step is over, so
-    report sums weighted by them are named with :func:`weighted_stats`.
+    report sums weighted by them are named with ``weighted_stats``
+    (``megatron_lossfix.kept.weighted_stats``).
     """
     active = _ACTIVE.get()
     if active is None:

@@ -68,7 +68,7 @@ def weighted_loss(
     ``keep``: the tokens the loss keeps, a ``[batch, seq]`` mask or a function of the detached
     per-token loss that returns one (e.g. ``lambda l: l < 8``, decided after the forward pass);
     dropped tokens are zeroed, or leave the normalization under
-    ``LossFixConfig(mask_in_loss=True)`` (:func:`~megatron_lossfix.kept.kept_weights`).
+    ``LossFixConfig(mask_in_loss=True)`` ([`kept_weights`][megatron_lossfix.kept_weights]).
 
     Returns Megatron's 3-tuple ``(sum(w * l), num_tokens, report)``; ``num_tokens`` counts the
     loss tokens of this micro-batch on this rank (after any context-parallel slicing).
@@ -94,8 +94,8 @@ def loss_weights(
     rank_local: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
-    mini-batch is the step's loss under ``reduction`` (one of :data:`REDUCTIONS`, or the alias
-    ``prompt_mean``).
+    mini-batch is the step's loss under ``reduction`` (one of
+    [`REDUCTIONS`][megatron_lossfix.REDUCTIONS], or the alias ``prompt_mean``).
 
     ``loss_masks``: this rank's ``[batch, seq]`` masks (bool or 0/1), CP shards with
     ``cp_group``; ``dp_group``: data-parallel group without CP (Megatron's

@@ -90,7 +90,7 @@ class LossFixConfig:
     """How the plugin normalizes the loss of one optimizer step (flags: ``args.from_args``)."""
 
     reduction: str = "token_mean"
-    """One of :data:`MODES`; ``off`` leaves Megatron's per-micro-batch mean (stock)."""
+    """One of ``MODES``; ``off`` leaves Megatron's per-micro-batch mean (stock)."""
 
     norm_constant: float | None = None
     """C of ``seq_mean_token_sum_norm`` (Dr. GRPO), e.g. the maximum response length; > 0."""

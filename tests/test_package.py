@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -96,6 +97,58 @@ def test_the_api_reference_covers_every_public_name():
         assert f"::: megatron_lossfix.{name}" in page, name
         assert hook.has_docstring(module, name), f"{module}.{name}"
         assert getattr(importlib.import_module(module), name) is getattr(megatron_lossfix, name)
+
+
+#: Sphinx's cross-reference roles, which mkdocstrings prints as they are (docs/api.md).
+SPHINX_ROLE = re.compile(r":(?:func|meth|class|data|attr|mod|exc|obj|const):`[^`]*`")
+
+
+def _api_docstrings() -> dict[str, str]:
+    """``"module.name: line"`` -> the text of every docstring the API page renders: each public
+    name's, and for a class or function every docstring inside it (methods, properties, the
+    strings under its attributes), read from the source as mkdocstrings reads it."""
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("public_api", repo / "docs/hooks/public_api.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    out = {}
+    for name, module in hook.public_names().items():
+        body = ast.parse((repo / (module.replace(".", "/") + ".py")).read_text()).body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
+                strings = [n.value for n in ast.walk(node) if isinstance(n, ast.Expr)]
+            elif any(getattr(t, "id", None) == name for t in getattr(node, "targets", ())):
+                strings = [n.value for n in body[i + 1 : i + 2] if isinstance(n, ast.Expr)]
+            else:
+                continue
+            for string in strings:
+                if isinstance(string, ast.Constant) and isinstance(string.value, str):
+                    out[f"{module}.{name}: {string.lineno}"] = string.value
+    return out
+
+
+def test_the_api_pages_docstrings_hold_no_sphinx_roles():
+    """mkdocstrings renders markdown: a Sphinx role (:func:`x`) would show as raw text on the
+    API page. Cross-references there are ``[x][megatron_lossfix.x]`` or plain backticks."""
+    docstrings = _api_docstrings()
+    assert len(docstrings) > len(megatron_lossfix.__all__)  # members' docstrings too
+    found = {where: SPHINX_ROLE.findall(text) for where, text in docstrings.items()}
+    found = {where: roles for where, roles in found.items() if roles}
+    assert not found, found
+
+
+def test_the_site_publishes_pages_not_the_builds_code():
+    """mkdocs publishes every file under docs/ that ``exclude_docs`` does not name: the build's
+    hooks (Python files beside the pages) must be among those it names."""
+    repo = Path(__file__).resolve().parents[1]
+    config = (repo / "mkdocs.yml").read_text()
+    block = re.search(r"^exclude_docs: \|\n((?:  .*\n)+)", config, re.M)
+    excluded = block[1].split() if block else []
+    docs = repo / "docs"
+    code = [p.relative_to(docs).as_posix() for p in docs.rglob("*.py")]
+    assert code, "the docs hook moved: update this test"
+    published = [p for p in code if not any(p.startswith(folder) for folder in excluded)]
+    assert not published, f"mkdocs.yml's exclude_docs does not name {published}"
 
 
 def _ruff(*args: str, cwd: Path) -> subprocess.CompletedProcess:

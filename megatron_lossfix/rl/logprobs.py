@@ -205,9 +205,9 @@ def vocab_parallel_logprobs_entropy(
             masked positions) give a finite but meaningless log-prob: mask them in the loss.
         tp_group: tensor-parallel group the vocabulary is split over; ``None`` means unsplit.
         chunk_size: tokens per chunk; peak extra memory is about ``chunk_size * V_local * 4``
-            bytes. Default: as many tokens as fit :data:`CHUNK_ELEMENTS` fp32 values (16 MiB),
+            bytes. Default: as many tokens as fit ``CHUNK_ELEMENTS`` fp32 values (16 MiB),
             small next to any logits tensor and cache-friendly on CPU; on CUDA at least enough
-            tokens for a scratch buffer of 1/:data:`CUDA_CHUNK_FRACTION` of the logits' bytes.
+            tokens for a scratch buffer of 1/``CUDA_CHUNK_FRACTION`` of the logits' bytes.
         vocab_start_index: first global id held by this rank; defaults to
             ``tp_rank * V_local`` (Megatron's layout), or 0 without ``tp_group``.
 

@@ -54,8 +54,8 @@ __all__ = [
 
 @dataclass(kw_only=True, slots=True)
 class RLObjective:
-    """The hyper-parameters of :func:`rl_objective`: which policy loss, its clipping, and the
-    weights of the KL and entropy terms."""
+    """The hyper-parameters of [`rl_objective`][megatron_lossfix.rl_objective]: which policy
+    loss, its clipping, and the weights of the KL and entropy terms."""
 
     policy_loss: str = "ppo"
     """``"ppo"`` (token ratio, optional dual clip) or ``"gspo"`` (sequence ratio)."""
@@ -81,7 +81,7 @@ class RLObjective:
 
     ratio_band: tuple[float, float] | None = None
     """Importance-ratio band per token, ``(low, high)``: a loss token whose ratio
-    ``exp(logp - old)`` lies outside it is dropped (:mod:`megatron_lossfix.rl.masks`)."""
+    ``exp(logp - old)`` lies outside it is dropped (``megatron_lossfix.rl.masks``)."""
 
     sequence_ratio_band: tuple[float, float] | None = None
     """The same per sequence, on its geometric-mean ratio: the whole sequence is dropped."""
@@ -106,7 +106,7 @@ class RLObjective:
 
     @property
     def mask_options(self) -> dict[str, Any]:
-        """The options of :func:`~megatron_lossfix.rl.masks.keep_mask` this objective sets."""
+        """The options of ``megatron_lossfix.rl.masks.keep_mask`` this objective sets."""
         return {
             "ratio_band": self.ratio_band,
             "sequence_ratio_band": self.sequence_ratio_band,
@@ -144,7 +144,8 @@ def rl_objective(
             entropy bonus).
         ref_logprobs: ``[b, s]`` reference-policy log-probs, for the KL penalty.
         entropy: per-token entropy ``[b, s]`` (e.g. from
-            :func:`megatron_lossfix.rl.logprobs.vocab_parallel_logprobs_entropy`), for the bonus.
+            [`vocab_parallel_logprobs_entropy`][megatron_lossfix.vocab_parallel_logprobs_entropy]),
+            for the bonus.
         cp_group: GSPO's sequence ratio when sequences are split over context-parallel ranks.
 
     Returns:
@@ -155,7 +156,7 @@ def rl_objective(
         unweighted); with the objective's masks also their counts (``rl.masks.keep_mask``).
 
     The objective's masks (``ratio_band``, ``sequence_ratio_band``, ``offpolicy_kl_threshold``)
-    go through :func:`~megatron_lossfix.kept.kept_weights`: dropped tokens are zeroed, or leave
+    go through [`kept_weights`][megatron_lossfix.kept_weights]: dropped tokens are zeroed, or leave
     the normalization under ``LossFixConfig(mask_in_loss=True)`` (docs/design.md §10).
     """
     obj = RLObjective() if objective is None else objective
