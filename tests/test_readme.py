@@ -284,6 +284,19 @@ def test_what_the_pages_create_is_ignored():
     assert not missed, f"not in .gitignore (path: the command that creates it): {missed}"
 
 
+@pytest.mark.unit
+def test_pages_that_need_python_312_say_how_to_find_it():
+    """``python3.12`` depends on how Python was installed (a pyenv shim answers only for an
+    active version): every page that starts it links to getting started's note on it."""
+    guide = ROOT / "docs" / "getting_started.md"
+    note = guide.read_text().split("\n## Python 3.12\n", 1)
+    assert len(note) == 2, "docs/getting_started.md has no section 'Python 3.12'"
+    assert "PYENV_VERSION=" in note[1].split("\n## ", 1)[0] and "pyenv prefix" in note[1]
+    for page in doc_pages.pages():
+        if page != guide and re.search(r"python3\.1[12]\b", page.read_text()):
+            assert "getting_started.md#python-312" in page.read_text(), page.name
+
+
 # ------------------------------------------------------------------------------ running them
 
 
