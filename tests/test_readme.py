@@ -447,6 +447,17 @@ def test_the_pages_print_one_audit_table():
     assert len(tables) >= 2 and all(t == tables[0] for t in tables), tables
 
 
+@pytest.mark.unit
+def test_the_audits_sample_takes_the_time_the_pages_state():
+    """The pages say the audit takes about half a minute on an idle 2-core machine; the sample
+    they print (one measurement, its closing line's seconds) says the same."""
+    audit_section = (ROOT / "docs" / "getting_started.md").read_text().split("## The audit")[1]
+    assert "about half a minute" in " ".join(audit_section.split("\n## ")[0].split())
+    seconds = [int(n) for _, _, body in doc_pages.blocks() if "megatron_lossfix audit" in body
+               for n in re.findall(r"results missing \((\d+) s\)", body)]  # fmt: skip
+    assert len(seconds) >= 2 and all(15 <= n <= 45 for n in seconds), seconds
+
+
 @pytest.mark.e2e
 def test_audit_table_is_what_the_audit_measures(readme_runs):
     """The pages' audit table against the ``audit.json`` of their command, on the layouts run:
