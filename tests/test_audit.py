@@ -361,3 +361,29 @@ def test_a_stack_audit_writes_where_it_says(monkeypatch, tmp_path, capsys):
     assert status == 0, out
     assert out.splitlines()[-1] == "wrote audit-out/skyrl/audit.json"
     assert main.read_text() == "{}" and (tmp_path / "audit-out/skyrl/audit.json").is_file()
+
+
+def _gpt_notices_shown() -> list[str]:
+    """In a pool rank: what Megatron-Core's GPTModel logger passes on of its deprecation notice
+    and of another message (what a handler there, or Python's last-resort one, would print)."""
+    import logging
+
+    from megatron_lossfix.audit.pool import GPT_MODEL_LOGGER
+
+    logger, seen = logging.getLogger(GPT_MODEL_LOGGER), []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
+        logger.warning("another notice")
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in seen]
+
+
+@pytest.mark.oracle
+def test_the_pools_ranks_drop_gpt_models_deprecation_notice(dist_pool):
+    """Every model the audit builds is its own tiny GPT: the ranks drop Megatron-Core 0.19's
+    notice for each (12 lines in a stack audit), and nothing else."""
+    assert dist_pool.run(_gpt_notices_shown, 1)[0] == ["another notice"]

@@ -14,6 +14,7 @@ on one GPU, and gloo refuses CUDA tensors in the coalesced all-reduce Megatron u
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import queue
@@ -217,6 +218,23 @@ def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
         return pickle.dumps(("err", *_error_report(exc)))
 
 
+#: Megatron-Core's logger that says "GPTModel IS DEPRECATED" (0.19) for every GPTModel built.
+GPT_MODEL_LOGGER = "megatron.core.models.gpt.gpt_model"
+
+
+def _not_gpt_deprecation(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("GPTModel IS DEPRECATED")
+
+
+def quiet_gpt_model_deprecation() -> None:
+    """Drop Megatron-Core's "GPTModel IS DEPRECATED" notice in this process: the pool's ranks
+    build the audit's own tiny GPT for every layout and reference (a stack audit printed it 12
+    times), a model the user did not choose. Idempotent."""
+    logger = logging.getLogger(GPT_MODEL_LOGGER)
+    if _not_gpt_deprecation not in logger.filters:
+        logger.addFilter(_not_gpt_deprecation)
+
+
 def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float, cuda: bool) -> None:
     _use_loopback()
     import warnings
@@ -233,6 +251,7 @@ def _worker_main(slot: int, tasks: Any, results: Any, timeout_s: float, cuda: bo
         ".*is deprecated. Please use `torch.distributed",
     ):
         warnings.filterwarnings("ignore", message=message)
+    quiet_gpt_model_deprecation()
     # The heavy imports, once per worker rather than in every task (no-ops after the preload).
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
