@@ -62,6 +62,7 @@ RELEASE_TESTS = (
     "tests/test_examples.py::test_pretrain_gpt_layouts_agree[token_mean]",
     "tests/test_examples.py::test_pretrain_gpt_mtp_moe_layouts_agree[sequence_mean]",
     "tests/test_grpo_example.py::test_ppo_rollouts_pp2_and_moe_layouts_agree",
+    "tests/test_own_loop.py::test_one_rank_and_dp2_agree",
     "tests/test_megatron_lm.py::test_patched_pretrain_gpt_is_layout_invariant",
     "tests/test_megatron_lm_moe.py",
     "tests/test_megatron_lm_resize.py",
