@@ -16,9 +16,12 @@ The harness (ours): the rollout data as slime's actor holds it (old and referenc
 advantages sliced for this CP rank with slime's ``slice_log_prob_with_cp``, ``rollout_ids``,
 ``rollout_mask_sums`` as slime's rollout manager computes them), slime's ``forward_step`` of
 ``train_one_step`` restated (``get_batch``, the model call, ``partial(loss_function, ...)``;
-``train_one_step`` itself imports Megatron-LM's ``megatron.training``), and Megatron-Core's
-schedule. The tiny GPT runs without attention and position embedding: slime feeds packed
-sequences (THD) with no position ids, which Megatron runs on CPU only without attention.
+``train_one_step`` itself also runs slime's optimizer step and releases the gradients), and
+the schedule ``train_one_step`` looks up on slime's ``model`` module: Megatron-Core's, or the
+adapter's once :func:`megatron_lossfix.integrations.slime.enable` ran (the switch a slime user
+sets with ``--custom-megatron-init-path``). The tiny GPT runs without attention and position
+embedding: slime feeds packed sequences (THD) with no position ids, which Megatron runs on CPU
+only without attention.
 
 The batch: 24 samples, prompts of 2-5 tokens, responses of 1-12 (uneven), some responses with a
 masked tail, and samples 0, 7, 14, 15, 16, 17 and 21 fully masked (a filtered or removed
@@ -311,7 +314,7 @@ def _forward_step(args: Namespace, num_microbatches: int, gbs: int, it: Any, mod
 def _run_row(row: str, mode: str, chunks: list, data: dict, plan: list, allgather: bool) -> None:
     """One slime training step (forward and backward, gradients reduced) of ``row``."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from slime.backends.megatron_utils import model as slime_model
     from slime.backends.megatron_utils.data import DataIterator
 
     from megatron_lossfix.integrations import slime as adapter
@@ -327,19 +330,26 @@ def _run_row(row: str, mode: str, chunks: list, data: dict, plan: list, allgathe
         bounds.append(list(range(at, at + size)))
         at += size
     iterators = [DataIterator(rollout, bounds) for _ in chunks]
-    fbf = get_forward_backward_func() if row == "slime" else adapter.LossFixForwardBackward(args)
     step = partial(_forward_step, args, len(bounds), data["num_rollouts"])
     for chunk in chunks:
         chunk.zero_grad_buffer()
-    fbf(
-        forward_step_func=step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks,
-        num_microbatches=len(bounds),
-        seq_length=data["max_tokens"],
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    # train_one_step looks its schedule up on slime's model module when the step starts: the
+    # adapted row goes through the documented switch (enable), undone after the row.
+    megatrons = slime_model.get_forward_backward_func
+    if row != "slime":
+        adapter.enable(args)
+    try:
+        slime_model.get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks,
+            num_microbatches=len(bounds),
+            seq_length=data["max_tokens"],
+            micro_batch_size=1,
+            forward_only=False,
+        )
+    finally:
+        slime_model.get_forward_backward_func = megatrons
 
 
 def slime_layout_grads(
