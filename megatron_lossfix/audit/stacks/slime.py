@@ -76,6 +76,11 @@ __all__ = [
 DISTRIBUTION = "slime"
 #: The slime release whose loss path this stack was measured on (its source at 624b824).
 MIN_VERSION = "0.3.1"
+#: How to install what the stack runs (slime is not on the package index).
+INSTALL = (
+    "pip install -e .[slime] (from this clone), then slime from its source: "
+    'pip install --no-deps "$SLIME_SOURCE" (a clone of THUDM/slime; docs/slime.md)'
+)
 #: slime's settings -> the plugin's mode; the default setting divides by every rollout.
 MODES: dict[str, StackMode] = {
     "per_sample": StackMode(plugin_mode="sequence_mean", divides_by_batch_size=True),
