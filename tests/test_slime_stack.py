@@ -105,6 +105,17 @@ def test_the_switch_answers_slimes_schedule_lookup():
         slime_model.get_forward_backward_func = own
 
 
+@pytest.mark.unit
+@needs_slime
+def test_recomputed_loss_with_tis_is_refused_in_one_line():
+    from functools import partial
+
+    args = Namespace(recompute_loss_function=True, use_tis=True)
+    slime_loss = partial(lambda *a: None, args, {})
+    with pytest.raises(ValueError, match="drop --recompute-loss-function"):
+        adapter.weighted_loss_function(slime_loss, torch.zeros(1, 1), torch.zeros(1))
+
+
 # ------------------------------------------------------------------------------ e2e
 
 

@@ -171,6 +171,15 @@ def weighted_loss_function(
     from slime.backends.megatron_utils import loss as slime_loss_module
 
     args, batch, *rest = slime_loss.args
+    if getattr(args, "recompute_loss_function", False) and (
+        getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False)
+    ):
+        # Its TIS branch builds a reducer again when the backward recomputes the loss, after
+        # the adapter has put slime's own back.
+        raise ValueError(
+            "the slime adapter cannot run --recompute-loss-function with --use-tis or "
+            "--get-mismatch-metrics: drop --recompute-loss-function"
+        )
     lengths = [int(m.numel()) for m in batch["loss_masks"]]
     per_sample = list(weights.reshape(-1).split(lengths))
     reducer = slime_loss_module.get_sum_of_sample_mean
