@@ -10,7 +10,9 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 * ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
   depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
-  Bridge's tests and verl's and SkyRL's, each in a virtualenv of its own (``_layer``).
+  Bridge's tests and verl's, SkyRL's and slime's, each in a virtualenv of its own (``_layer``;
+  slime from the source ``SLIME_SOURCE`` names, which ``.ci/run`` sets: slime is not on the
+  package index, and without it its tests skip).
 
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
@@ -91,7 +93,12 @@ NO_COMPILE = ("--no-compile",)
 #: nvidia-resiliency-ext that breaks a plain ``import megatron.core``, and verl and SkyRL pin a
 #: transformers that Bridge refuses. Each gets a virtualenv layered over the suite's.
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
-RL_TESTS = ("tests/test_verl_stack.py", "tests/test_skyrl_stack.py", "tests/test_readme_stacks.py")
+RL_TESTS = (
+    "tests/test_verl_stack.py",
+    "tests/test_skyrl_stack.py",
+    "tests/test_slime_stack.py",
+    "tests/test_readme_stacks.py",
+)
 VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its dependencies
 #: Likewise, and for one more reason: by their metadata verl 0.9.1 and SkyRL 0.4.0 do not resolve
 #: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.
@@ -265,6 +272,8 @@ def tests_312(session: nox.Session) -> None:
             f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
         pip = (rl, "-m", "pip", "install", "-q", *NO_COMPILE)
         stacks = ((*pip, "--no-deps", VERL, SKYRL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))
+        if os.environ.get("SLIME_SOURCE"):  # slime's loss path imports what the layer has
+            stacks += ((*pip, "--no-deps", os.environ["SLIME_SOURCE"]),)
         _ahead(
             session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"), *stacks
         )

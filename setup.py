@@ -65,6 +65,10 @@ setup(
         # requirements need no GPU. (CI installs it --no-deps with the few its Megatron path
         # imports: see README, "verl".)
         "verl": ["verl==0.9.1"],
+        # slime's Megatron loss path (loss.py, cp_utils.py, data.py, ppo_utils.py) needs, beside
+        # torch and megatron-core, only these. slime is not on the package index: it is installed
+        # from its source without dependencies beside this extra (docs/slime.md).
+        "slime": ["httpx", "packaging"],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

@@ -102,6 +102,15 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "needs SkyRL: tests/test_readme_stacks.py runs these commands where it is installed",
     ),
     (
+        "-m venv .venv-slime",
+        "makes .venv-slime (Python 3.12, torch's CUDA build, the [slime] extra, slime from its "
+        "source); CI installs the same in a layer over its 3.12 world from SLIME_SOURCE",
+    ),
+    (
+        "--stack slime",
+        "needs slime: tests/test_readme_stacks.py runs this command where slime is installed",
+    ),
+    (
         "examples/bridge_pretrain.py",
         "needs Megatron Bridge: tests/test_bridge.py runs these layouts where it is installed",
     ),

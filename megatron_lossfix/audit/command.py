@@ -173,11 +173,8 @@ def _require_stack(name: str) -> None:
     if installed is None or (oldest is not None and Version(installed) < Version(oldest)):
         # 2, as for a bad flag: 1 means an adapted row missed.
         have = "" if installed is None else f" >= {oldest} (installed: {installed})"
-        print(
-            f"--stack {name} needs {distribution}{have}: pip install -e .[{name}] (from this "
-            "clone)",
-            file=sys.stderr,
-        )
+        install = getattr(stack, "INSTALL", f"pip install -e .[{name}] (from this clone)")
+        print(f"--stack {name} needs {distribution}{have}: {install}", file=sys.stderr)
         sys.exit(2)
 
 

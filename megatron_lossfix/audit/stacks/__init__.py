@@ -37,6 +37,12 @@ def _verl() -> ModuleType:
     return verl
 
 
+def _slime() -> ModuleType:
+    from megatron_lossfix.audit.stacks import slime
+
+    return slime
+
+
 def _skyrl() -> ModuleType:
     from megatron_lossfix.audit.stacks import skyrl
 
@@ -44,7 +50,7 @@ def _skyrl() -> ModuleType:
 
 
 #: Stack name -> a function returning the module that runs it.
-STACKS: dict[str, Callable[[], ModuleType]] = {"skyrl": _skyrl, "verl": _verl}
+STACKS: dict[str, Callable[[], ModuleType]] = {"skyrl": _skyrl, "slime": _slime, "verl": _verl}
 
 
 def load_stack(name: str) -> ModuleType:

@@ -1,0 +1,192 @@
+"""slime's own Megatron loss path under the audit (``--stack slime``), the adapter, and slime's
+own loss tests with the adapter switched on.
+
+The e2e tests run slime's ``loss_function`` and ``get_batch`` from the installed slime (installed
+from its source: docs/slime.md) on the tiny GPT over two ranks and compare the gradient with
+the one-rank reference of the exact objective; they skip where slime is not installed. slime's
+own tests run from its source tree, which ``SLIME_SOURCE`` names (a clone or its ``git archive``
+``.tar.gz``; CI sets it); they skip without it. The unit tests need neither.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+from argparse import Namespace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lossfix.audit.matrix import parse_layout
+from megatron_lossfix.audit.options import AuditOptions
+from megatron_lossfix.audit.oracle import relative_error
+from megatron_lossfix.audit.stacks import slime as stack
+from megatron_lossfix.integrations import slime as adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_SLIME = importlib.util.find_spec("slime") is not None
+needs_slime = pytest.mark.skipif(
+    not HAVE_SLIME,
+    reason="slime is not installed (pip install --no-deps <slime source>, see docs/slime.md)",
+)
+TOL = 1e-5
+#: slime's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.
+SLIME_TESTS = ("test_loss_cp_invariance.py", "test_policy_loss.py", "test_cp_utils.py")
+
+
+# ------------------------------------------------------------------------------ unit
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("per_token, mode", [(True, "token_mean"), (False, "group_mean")])
+def test_slime_settings_map_to_the_plugin_modes(per_token, mode):
+    config = adapter.lossfix_config_for(Namespace(calculate_per_token_loss=per_token))
+    assert config.reduction == mode and config.self_check is False
+    with pytest.raises(ValueError, match="calculate_per_token_loss"):
+        adapter.lossfix_config_for(Namespace())
+
+
+@pytest.mark.unit
+def test_micro_batches_carry_response_masks_and_rollouts():
+    masks = [torch.tensor([1, 1, 0]), torch.tensor([0, 0]), torch.tensor([1])]
+    data = {"loss_masks": masks, "rollout_ids": [7, 7, 9]}
+    it = SimpleNamespace(rollout_data=data, micro_batch_indices=[[0, 1], [2], [0]], offset=0)
+    batches = list(adapter.plugin_micro_batches(it, 2, grouped=True))
+    assert it.offset == 2  # slime's iterator moves past the step, as its own step moves it
+    first, second = batches
+    assert first["loss_mask"].tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]
+    assert first["cu_seqlens"].tolist() == [0, 3, 5] and second["cu_seqlens"].tolist() == [0, 1]
+    # Rollout ids shifted to start at 0 over the step; the range covers them all.
+    assert first["group_ids"].tolist() == [0, 0] and second["group_ids"].tolist() == [2]
+    assert first["num_groups"] == second["num_groups"] == 3
+    assert "group_ids" not in next(adapter.plugin_micro_batches(it, 1, grouped=False))
+    it.rollout_data = {"loss_masks": masks}
+    with pytest.raises(ValueError, match="no 'rollout_ids'"):
+        adapter.plugin_micro_batches(it, 1, grouped=True)
+
+
+@pytest.mark.unit
+def test_phantom_tokens_are_one_per_fully_masked_sample():
+    case = stack.stack_case(AuditOptions(), parse_layout("dp2-m3"))
+    data = stack.slime_rollout(case, 264, "per_token")
+    empty = sum(int(m.sum() == 0) for m in data["loss_masks"])
+    real = sum(int(m.sum()) for m in data["loss_masks"])
+    figure = stack.phantom_tokens(case)
+    assert empty == len(stack.MASKED_SAMPLES) and figure["phantom_tokens"] == empty
+    assert figure["loss_tokens"] == real and figure["gradient_scale"] == real / (real + empty)
+
+
+@pytest.mark.unit
+def test_cp_layouts_also_run_in_slimes_allgather_layout():
+    columns = stack._columns([parse_layout("dp2-m3"), parse_layout("cp2-m3")])
+    assert [(lay.name, ag) for lay, ag in columns] == [
+        ("dp2-m3", False),
+        ("cp2-m3", False),
+        ("cp2-m3" + stack.ALLGATHER, True),
+    ]
+
+
+@pytest.mark.unit
+@needs_slime
+def test_the_switch_answers_slimes_schedule_lookup():
+    from slime.backends.megatron_utils import model as slime_model
+
+    own = slime_model.get_forward_backward_func
+    try:
+        fbf = adapter.enable(Namespace(calculate_per_token_loss=True))
+        assert slime_model.get_forward_backward_func() is fbf
+        assert fbf.config.reduction == "token_mean"
+    finally:
+        slime_model.get_forward_backward_func = own
+
+
+@pytest.mark.unit
+@needs_slime
+def test_recomputed_loss_with_tis_is_refused_in_one_line():
+    from functools import partial
+
+    args = Namespace(recompute_loss_function=True, use_tis=True)
+    slime_loss = partial(lambda *a: None, args, {})
+    with pytest.raises(ValueError, match="drop --recompute-loss-function"):
+        adapter.weighted_loss_function(slime_loss, torch.zeros(1, 1), torch.zeros(1))
+
+
+# ------------------------------------------------------------------------------ e2e
+
+
+@pytest.fixture(scope="module")
+def slime_pool():
+    from megatron_lossfix.audit.pool import DistPool
+
+    pool = DistPool(max_ranks=2, timeout_s=180)
+    yield pool
+    pool.close()
+
+
+def _errors(pool, worker, layout: str, allgather: bool, modes: tuple[str, ...]) -> dict:
+    lay = parse_layout(layout)
+    case = stack.stack_case(AuditOptions(), lay)
+    got = pool.run(worker, 2, lay.parallel(), case, modes, lay.num_microbatches, allgather)[0]
+    out = {}
+    for (row, mode), grads in got.items():
+        ref = pool.run(stack.slime_reference, 1, case, mode)[0]
+        share = stack.slime_share(case, mode) if row == "slime" else 1.0
+        out[(row, mode)] = relative_error(grads, {k: v * share for k, v in ref.items()})
+    return out
+
+
+@needs_slime
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout, allgather", [("dp2-m3", False), ("cp2-m3", True)])
+def test_adapter_is_exact_and_slimes_per_token_count_is_not(slime_pool, layout, allgather):
+    modes = ("per_rollout", "per_token")
+    errors = _errors(slime_pool, stack.slime_layout_grads, layout, allgather, modes)
+    for mode in modes:
+        assert errors[("slime+lossfix", mode)] <= TOL, errors
+    # slime's default setting is exact for what it means (every rollout counted) ...
+    assert errors[("slime", "per_rollout")] <= TOL, errors
+    # ... its per-token setting misses by its phantom tokens, one per fully masked sample.
+    case = stack.stack_case(AuditOptions(), parse_layout(layout))
+    phantom = 1 - stack.phantom_tokens(case)["gradient_scale"]
+    assert abs(errors[("slime", "per_token")] - phantom) < 1e-4, (errors, phantom)
+
+
+@needs_slime
+@pytest.mark.e2e
+def test_bypassing_the_adapter_fails_the_check(slime_pool):
+    from helpers.slime_stack import bypassed_layout_grads
+
+    errors = _errors(slime_pool, bypassed_layout_grads, "dp2-m3", False, ("per_token",))
+    assert errors[("slime+lossfix", "per_token")] > 100 * TOL, errors
+
+
+def _slime_source(tmp_path: Path) -> Path:
+    source = os.environ.get("SLIME_SOURCE")
+    if not source:
+        pytest.skip("SLIME_SOURCE is not set (slime's source: a clone, or its git archive)")
+    path = Path(source)
+    if path.is_dir():
+        return path
+    with tarfile.open(path) as archive:
+        archive.extractall(tmp_path, filter="data")
+    (top,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    return top
+
+
+@needs_slime
+@pytest.mark.e2e
+def test_slimes_own_loss_tests_pass_with_the_adapter_on(tmp_path):
+    tests = _slime_source(tmp_path) / "tests"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    plugins = ["-p", "helpers.slime_stack", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    argv = [sys.executable, "-m", "pytest", *plugins, "-q", *(str(tests / n) for n in SLIME_TESTS)]
+    proc = subprocess.run(argv, cwd=tests.parent, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert "slime adapter on: LossFixForwardBackward (group_mean)" in out, out[-4000:]
+    assert proc.returncode == 0 and " failed" not in out, out[-4000:]
