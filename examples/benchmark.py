@@ -35,6 +35,15 @@ One world size by hand (timing only, rank 0 prints the tables)::
 
     torchrun --standalone --nproc-per-node 2 examples/benchmark.py --phase time
 
+The first step's self-check (``token_mean-first-step``: every step checked as the first one is,
+against plain ``token_mean`` steps, the check off) on a model whose gradients dominate memory,
+38 M parameters on 2 data-parallel ranks, micro-batch 2 (the check's re-split cuts it in two)::
+
+    python examples/benchmark.py --ranks 2 --workloads sft --variants token_mean-first-step \\
+        --num-layers 3 --hidden-size 1024 --num-attention-heads 8 --seq-length 64 \\
+        --micro-batch-size 2 --global-batch-size 8 --rounds 3 --steps-per-round 1 \\
+        --warmup 1 --memory-steps 1
+
 On GPUs the workers use NCCL. The GPU runs of docs/benchmarks.md (one H100, steps over 100 ms)::
 
     python examples/benchmark.py --ranks 1 --num-layers 8 --hidden-size 1024 \\
@@ -127,7 +136,9 @@ def _time_phase(args: argparse.Namespace) -> dict:
                 per_variant[name] = {key: [t[key] for t in times] for key in times[0]}
             rounds[workload].append(per_variant)
     peaks = {w: {n: bench.tensor_peak(n, w) for n in names} for w in rounds}
-    return {"rounds": rounds, "tensor_peak": peaks}
+    chunks = next(iter(bench.models.values()))[0]  # this rank's model
+    params = sum(p.numel() for c in chunks for p in c.parameters())
+    return {"rounds": rounds, "tensor_peak": peaks, "parameters": params}
 
 
 def _memory_phase(args: argparse.Namespace) -> dict:
@@ -178,6 +189,10 @@ def tables(args: argparse.Namespace, timing: dict, memory: dict) -> str:
     return "\n".join(lines)
 
 
+def _parameters(timing: dict) -> float:
+    return max((result.get("parameters", 0) for result in timing.values()), default=0)
+
+
 def _torchrun(world: int, argv: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", __file__, *argv, "--result-out", str(out)]  # fmt: skip
@@ -212,7 +227,8 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     print(f"\n## megatron_lossfix overhead vs stock Megatron-Core\n\nMachine: {machine}; load "
           f"at end {os.getloadavg()[0]:.2f}; total {time.time() - started:.0f} s. Model: GPT, "
           f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} "
-          f"heads, seq {args.seq_length}, {'bf16' if args.bf16 else 'fp32'}, global batch "
+          f"heads, {_parameters(timing) / 1e6:.1f} M parameters, seq {args.seq_length}, "
+          f"{'bf16' if args.bf16 else 'fp32'}, global batch "
           f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, Adam. {args.rounds} "
           f"rounds x {args.steps_per_round} steps per variant after {args.warmup} warm-up steps; "
           "ratio: median over rounds of the per-round ratio of median step times (range).\n"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["counting_pass", "recorded"]
+__all__ = ["counting_pass", "recorded", "replaying", "rng_restored"]
 
 
 def counting_pass(
@@ -45,7 +45,7 @@ def counting_pass(
         else:
             items: list = []
             counting.append(recorded(source, items))
-            replays.append(_replaying(items, source))
+            replays.append(replaying(items, source))
     as_list = isinstance(call["data_iterator"], list)
     kwargs = {
         **call,
@@ -53,7 +53,7 @@ def counting_pass(
         "data_iterator": counting if as_list else counting[0],
         "forward_only": True,
     }
-    with _rng_restored(), torch.no_grad():
+    with rng_restored(), torch.no_grad():
         schedule(**kwargs)
     return replays
 
@@ -65,7 +65,7 @@ def recorded(source: Iterator, items: list) -> Iterator:
         yield item
 
 
-def _replaying(items: list, source: Iterator) -> Iterator:
+def replaying(items: list, source: Iterator) -> Iterator:
     """``items`` again, then whatever ``source`` still yields."""
     for item in items:
         yield dict(item) if isinstance(item, Mapping) else item
@@ -73,7 +73,7 @@ def _replaying(items: list, source: Iterator) -> Iterator:
 
 
 @contextlib.contextmanager
-def _rng_restored() -> Iterator[None]:
+def rng_restored() -> Iterator[None]:
     """PyTorch's RNG states (CPU and every initialized CUDA device) and Megatron's CUDA RNG
     tracker's states, as they were before."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

@@ -1,12 +1,13 @@
 """The self-check: the first step's gradient must not move when re-split (docs/design.md §9).
 
 The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
-runs it, such as Megatron-LM's plumbing around it), reads its public record of the step
-(``Step.last_step``) and puts that record back after its own re-runs. The step knows nothing
-of it; ``LossFixSchedule`` composes the two (:func:`first_step_check`): by default in every
-mode that can be checked, skipped silently where the step cannot be re-split; when the config
-asks for it explicitly (``self_check=True``), a step that cannot be checked is warned about or
-refused.
+runs it, such as Megatron-LM's plumbing around it) three times: forward-only to learn what it
+reads, re-split, and normally, last, so that training goes on from the normal run with nothing
+to put back. It keeps no copy of a gradient: each run's is summarized by per-parameter sums and
+a few seeded random projections (:class:`_Sketch`). The step knows nothing of it;
+``LossFixSchedule`` composes the two (:func:`first_step_check`): by default in every mode that
+can be checked, skipped silently where the step cannot be re-split; when the config asks for it
+explicitly (``self_check=True``), a step that cannot be checked is warned about or refused.
 """
 
 from __future__ import annotations
@@ -20,13 +21,24 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
-from megatron_lossfix.counting_pass import recorded
+from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
-from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
+from megatron_lossfix.megatron_compat import (
+    model_config_of,
+    model_parallel_groups,
+    resolve_groups,
+)
 from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.step import Step, StepRecord
+from megatron_lossfix.step import Step
 
 __all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
+
+#: Seeded Gaussian projections of each run's gradient that the check compares (docs/design.md §9).
+PROJECTIONS = 16
+_WIDTH = 256  # a gradient is read as rows of this many elements, each row projected at once
+_ROWS = 256  # rows per block: the check's temporaries are a few blocks (512 KiB in fp64)
+_SEED = 45
+_HOW_MEASURED = f"estimated from {PROJECTIONS} random projections"
 
 #: Modes whose gradient depends on the micro-batch split by definition.
 _SPLIT_DEPENDENT = ("off", "token_mean_legacy")
@@ -62,10 +74,11 @@ class SelfCheck:
         return not self.checked and not kwargs.get("forward_only")
 
     def run(self, step: Step, call: dict, via: Callable[..., Any] | None = None) -> Any:
-        """Run the step ``call``, re-run it re-split, compare, put back; its result.
+        """Check the step ``call``: read its data (ahead, or in a forward-only pass), run it
+        re-split, then run it normally (training goes on from that last run); its result.
 
-        ``step``: the step whose record the check keeps; ``via``: what runs it (by default
-        ``step`` itself), so that the re-runs go through the same plumbing.
+        ``step``: the step, whose process groups the check uses; ``via``: what runs it (by default
+        ``step`` itself), so that every run goes through the same plumbing.
         """
         self.checked = True
         run = step if via is None else via
@@ -76,39 +89,72 @@ class SelfCheck:
         if reason:
             self._skipped(reason)
             return run(**call)
-        # 1. The normal step, keeping what forward_step reads from each data iterator, and what
-        # training goes on from.
-        result, reads = _run_recording(run, call)
-        kept = _Kept.take(step.last_step, chunks)
-        groups, shards = kept.record.groups, model_parallel_groups(kept.record.pg_collection)
-        device = kept.params[0].device if kept.params else torch.device("cpu")
-        # 2. Every DP x CP replica must hold the same reduced gradient.
-        spread, worst = _replica_spread(kept.params, kept.grads, groups, device)
-        # 3. The same data re-split; every rank learns whether any rank cannot, and the
-        # replicas' verdict, in one all-reduce over every rank of the model.
+        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
+        device = params[0].device if params else torch.device("cpu")
+        unset, held = _entry_state(params, device)
+        # 1. What forward_step reads from each data iterator: the step's own reading ahead, or
+        # a forward-only pass (no gradient).
+        given = call.get("pg_collection")
+        pg_collection = step.pg_collection if given is None else given  # as the step's record
+        groups, shards = resolve_groups(pg_collection), model_parallel_groups(pg_collection)
+        reads = _read_ahead(step, call, via, groups, len(chunks)) or _reading_pass(run, call)
+        # 2. The same data re-split; every rank learns whether any rank cannot, or holds
+        # gradients from before the step, in one all-reduce over every rank of the model.
         plan = _plan(call, chunks, model_config, reads, groups, shards, device)
         items, problem = _resplit_reads(reads, plan, m, self.config.loss_mask_key)
-        flags = [float(problem is not None), float(plan is not None and problem is None), spread]
-        failed, changed, spread_max = _max(flags, device, shards.mp, groups.dp_cp).tolist()
-        self.last_replica_spread = spread_max
-        if not spread_max <= self.tolerance:
-            raise self._replicas_differ(spread_max, spread == spread_max, worst, kept, groups)
+        flags = [float(problem is not None), float(plan is not None and problem is None), held]
+        failed, changed, held_any = _max(flags, device, shards.mp, groups.dp_cp).tolist()
+        normal = _replays(call, reads)
         if failed and self.explicit:  # every rank: the flags are all-reduced
             problem = problem or "another rank could not re-split its micro-batches"
             drop = "this data cannot be checked: drop --lossfix-self-check"
             raise ValueError(f"megatron_lossfix self-check: {problem}; {drop}")
-        if failed or not changed:
-            self._skipped("no rank can re-split its step (one micro-batch of one row)")
+        if held_any or failed or not changed:
+            self._skipped(
+                "the gradients were not zero before the step (accumulated over calls)"
+                if held_any
+                else "no rank can re-split its step (one micro-batch of one row)"
+            )
+            result = run(**normal)
+            if not held_any:
+                self._replicas(chunks, params, groups, shards, device)
             return result
         self.last_plan = plan
-        # 4. The re-split run against the normal one; 5. training goes on from the normal run.
-        try:
-            error = _compare(run, call, reads, items, plan, kept, model_config, shards, device)
-        finally:
-            kept.restore(step)
+        # 3. The re-split run (and, with dropout, the normal split, both in eval mode), each
+        # summarized by its sketch; RNG states put back after them.
+        resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
+                                            unset, model_config, shards)  # fmt: skip
+        # 4. The normal run, last: training goes on from it, as without the check; 5. every
+        # DP x CP replica must hold the same reduced gradient.
+        _zero_grads(chunks, params, unset)
+        result = run(**normal)
+        sketch = self._replicas(chunks, params, groups, shards, device)
+        # 6. The re-split run's sketch against the normal run's.
+        error = _relative_error(sketch if reference is None else reference, resplit_sketch,
+                                shards, device)  # fmt: skip
         self.last_error = error
         self._report(error, m, plan)
         return result
+
+    def _replicas(
+        self,
+        chunks: list,
+        params: list,
+        groups: StepGroups,
+        shards: ModelParallelGroups,
+        device: torch.device,
+    ) -> _Sketch:
+        """The sketch of the gradient now held (the distributed optimizer's shards gathered
+        first); raises ``SelfCheckError`` when the DP x CP replicas do not hold the same."""
+        _unshard(chunks)
+        sketch = _sketch(params, shards)
+        spread, worst = _replica_spread(params, sketch, groups)
+        spread_max = float(_max([spread], device, shards.mp, groups.dp_cp)[0])
+        self.last_replica_spread = spread_max
+        if not spread_max <= self.tolerance:
+            mine = spread == spread_max
+            raise self._replicas_differ(spread_max, mine, worst, chunks, params, groups)
+        return sketch
 
     def _skipped(self, why: str) -> None:
         """A step that cannot be checked: a warning when the check was asked for, else
@@ -117,14 +163,14 @@ class SelfCheck:
             warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=4)
 
     def _replicas_differ(
-        self, spread: float, mine: bool, worst: int, kept: _Kept, groups: StepGroups
+        self, spread: float, mine: bool, worst: int, chunks: list, params: list, groups: StepGroups
     ) -> SelfCheckError:
         """The failure of step 2; ``mine``: the largest spread was measured here, at parameter
         ``worst``, which the message names."""
         where = "between the replicas of another model-parallel rank"
         if worst >= 0 and mine:
-            names = {id(p): n for c in kept.chunks for n, p in c.named_parameters()}
-            where = f"most in {names.get(id(kept.params[worst]), 'a parameter')!r}"
+            names = {id(p): n for c in chunks for n, p in c.named_parameters()}
+            where = f"most in {names.get(id(params[worst]), 'a parameter')!r}"
         return SelfCheckError(
             f"megatron_lossfix self-check failed: after the first step the gradient differs "
             f"across the {group_size(groups.dp_cp)} data x context-parallel ranks by "
@@ -142,7 +188,8 @@ class SelfCheck:
         if not error <= self.tolerance:
             raise SelfCheckError(
                 f"megatron_lossfix self-check failed: re-running the first step's data {how} "
-                f"changed the gradient by {error:.3g} (relative L2; tolerance {self.tolerance:g})"
+                f"changed the gradient by {error:.3g} (relative L2, {_HOW_MEASURED}; tolerance "
+                f"{self.tolerance:g})"
                 f" under reduction {reduction!r}. The loss depends on how the step is split, "
                 "so it is not the mode's global "
                 "normalization. Probably: (1) double scaling: loss_func divides the weighted sum "
@@ -152,70 +199,190 @@ class SelfCheck:
                 "megatron_lossfix.weighted_loss does; (2) the loss ignores the plugin's weights "
                 "(batch['loss_weights']) and uses the raw loss mask; (3) the model mixes samples "
                 "(batch statistics, token dropping). With bf16/fp16 compute rounding alone moves "
-                "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The normal "
-                "run's gradient was restored."
+                "the gradient by about 1e-3: raise --lossfix-self-check-tolerance. The "
+                "gradient in place is the normal run's."
             )
         # Every rank measured the same error (it is all-reduced): one line for the whole run.
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(
                 f"megatron_lossfix self-check passed: re-running the first step's data {how} "
-                f"changed the gradient by {error:.2g} (relative L2; tolerance {self.tolerance:g})",
+                f"changed the gradient by {error:.2g} (relative L2, {_HOW_MEASURED}; tolerance "
+                f"{self.tolerance:g})",
                 flush=True,
             )
 
 
 @dataclass(slots=True)
-class _Kept:
-    """What training goes on from after the check: the normal run's step record, gradients,
-    registered buffers and Megatron's RNG tracker states."""
+class _Sketch:
+    """One run's gradient in a few numbers (fp64): per parameter its sum and squared L2 norm,
+    and per kind (dense, expert) ``PROJECTIONS`` seeded Gaussian projections of the elements
+    the relative error counts, a (PROJECTIONS x _WIDTH) matrix. No copy of the gradient."""
 
-    record: StepRecord
-    chunks: list
-    params: list[torch.nn.Parameter]
-    grads: list[torch.Tensor | None]
-    buffers: list[torch.Tensor]
-    rng_states: dict
-
-    @classmethod
-    def take(cls, record: StepRecord | None, chunks: list) -> _Kept:
-        """Keep them now, right after the normal run (the distributed optimizer's gradient
-        shards gathered first)."""
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        if record is None:
-            raise RuntimeError("the self-check's step left no record: it did not run the step")
-        buffers = [b.detach().clone() for b in _buffers(chunks)]
-        _unshard(chunks)
-        params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
-        # A copy; the tracker replaces (never mutates) its tensors.
-        states = get_cuda_rng_tracker().get_states()
-        return cls(record, chunks, params, _snapshot(params), buffers, states)
-
-    def restore(self, step: Step) -> None:
-        """Put it all back (``step.last_step`` too), as after the normal run."""
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        get_cuda_rng_tracker().set_states(dict(self.rng_states))
-        with torch.no_grad():
-            for param, grad in zip(self.params, self.grads, strict=True):
-                if grad is not None and _grad(param) is not None:
-                    _grad(param).copy_(grad)
-                elif grad is None and getattr(param, "main_grad", None) is None:
-                    param.grad = None  # the re-run created it
-            for buf, saved in zip(_buffers(self.chunks), self.buffers, strict=True):
-                buf.copy_(saved)
-        step.last_step = self.record
+    sums: torch.Tensor  # (parameters, 2): sum, sum of squares (0, 0: no gradient)
+    numel: torch.Tensor  # (parameters,)
+    counted: torch.Tensor  # (parameters, 2): 1 in the column of its kind; zeros: not counted
+    projections: torch.Tensor  # (2, PROJECTIONS, _WIDTH)
 
 
-def _run_recording(run: Callable[..., Any], call: dict) -> tuple[Any, list[list | None]]:
-    """The step ``call`` run, and what ``forward_step`` read from each of its data iterators
-    (None: no iterator)."""
+def _sketch(params: list, shards: ModelParallelGroups) -> _Sketch:
+    """The sketch of the gradients now held, block by block (temporaries of one block).
+
+    A gradient of n elements is read as rows of ``_WIDTH`` (the last one zero-padded); each
+    block of ``_ROWS`` rows is multiplied by a (PROJECTIONS x rows) standard normal matrix drawn
+    from a generator seeded by the parameter's index and the rank in the group its error is
+    summed over (the same on DP x CP replicas, which hold the same gradient; independent across
+    the ranks whose projections add up), so that both runs draw the same matrices."""
+    device = params[0].device if params else torch.device("cpu")
+    sums = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
+    counted = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
+    numel = torch.tensor([p.numel() for p in params], dtype=torch.float64, device=device)
+    projections = torch.zeros(2, PROJECTIONS, _WIDTH, dtype=torch.float64, device=device)
+    ranks = [0 if group_size(g) <= 1 else dist.get_rank(g) for g in (shards.mp, shards.expert_mp)]
+    tp_rank = 0 if shards.tp is None else dist.get_rank(shards.tp)  # TP copies: rank 0's count
+    for i, param in enumerate(params):
+        grad = _grad(param)
+        if grad is None:
+            continue
+        tp_copy = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
+        kind = None if getattr(param, "shared", False) or tp_copy else 0
+        if kind is not None and not getattr(param, "allreduce", True):
+            kind = 1  # an expert parameter: its error is summed over the expert groups
+        generator = None
+        if kind is not None:
+            counted[i, kind] = 1.0
+            generator = torch.Generator(device=grad.device)
+            generator.manual_seed(((_SEED * 1_000_003 + ranks[kind]) * 1_000_003 + i) % 2**63)
+        for block in grad.detach().reshape(-1).split(_ROWS * _WIDTH):
+            x = block.to(torch.float64)
+            sums[i, 0] += x.sum()
+            sums[i, 1] += torch.dot(x, x)
+            if generator is None:
+                continue
+            rows = -(-x.numel() // _WIDTH)
+            if x.numel() < rows * _WIDTH:  # only a gradient's last block
+                x = torch.nn.functional.pad(x, (0, rows * _WIDTH - x.numel()))
+            x = x.view(rows, _WIDTH)
+            r = torch.randn(PROJECTIONS, rows, generator=generator, **_f64(device))
+            projections[kind].addmm_(r, x)
+    return _Sketch(sums, numel, counted, projections)
+
+
+def _f64(device: torch.device) -> dict:
+    return {"dtype": torch.float64, "device": device}
+
+
+def _entry_state(params: list, device: torch.device) -> tuple[list[bool], float]:
+    """Which parameters hold no gradient yet (None), and 1.0 if any holds a nonzero one (the
+    runs start from zero, as a step after ``zero_grad_buffer`` does), else 0.0."""
+    unset = [_grad(p) is None for p in params]
+    held = torch.zeros((), dtype=torch.bool, device=device)
+    for param in params:
+        grad = _grad(param)
+        for block in () if grad is None else grad.detach().reshape(-1).split(_ROWS * _WIDTH):
+            held |= block.any()
+    return unset, float(held)
+
+
+def _zero_grads(chunks: list, params: list, unset: list[bool]) -> None:
+    """The gradients as before the step: zero (DDP's ``zero_grad_buffer`` also resets its
+    per-step bucket state), None where there was none."""
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+        else:
+            chunk.zero_grad(set_to_none=False)
+    for param, none in zip(params, unset, strict=True):
+        if none and getattr(param, "main_grad", None) is None:
+            param.grad = None
+
+
+def _read_ahead(
+    step: Step, call: dict, via: Any, groups: StepGroups, num_chunks: int
+) -> list[list] | None:
+    """The step's micro-batches (dicts copied), read here where the step itself reads them all
+    before its schedule: ``Step`` called directly on one model chunk without pipeline
+    parallelism (every rank is the loss stage, whose step reads its iterator first); else None.
+    Reading stops at the first error, which the step then meets itself."""
+    given = call["data_iterator"]
+    sources = given if isinstance(given, list) else [given]
+    if via is not None or not isinstance(step, Step) or num_chunks != 1 or len(sources) != 1:
+        return None
+    if sources[0] is None or groups.pp_size > 1:
+        return None
+    items: list = []
+    try:
+        for _ in range(call["num_microbatches"]):
+            item = next(sources[0])
+            items.append(dict(item) if isinstance(item, Mapping) else item)
+    except Exception:  # noqa: BLE001 - the step reads on and refuses on every rank
+        pass
+    return [items]
+
+
+def _reading_pass(run: Callable[..., Any], call: dict) -> list[list | None]:
+    """What ``forward_step`` reads from each data iterator (None: no iterator), in a forward-only
+    pass of the step without autograd; the RNG states put back."""
     given = call["data_iterator"]
     as_list = isinstance(given, list)
     sources = given if as_list else [given]
     reads = [None if it is None else [] for it in sources]
     its = [it if it is None else recorded(it, r) for it, r in zip(sources, reads, strict=True)]
-    return run(**{**call, "data_iterator": its if as_list else its[0]}), reads
+    with rng_restored(), torch.no_grad():
+        run(**{**call, "data_iterator": its if as_list else its[0], "forward_only": True})
+    return reads
+
+
+def _replays(call: dict, reads: list, plan: tuple | None = None, source: bool = True) -> dict:
+    """``call`` over ``reads`` (each iterator's micro-batches, dicts copied: forward_step may
+    pop), re-split by ``plan``; ``source``: then what the call's iterators still yield."""
+    given = call["data_iterator"]
+    as_list = isinstance(given, list)
+    sources = given if as_list else [given]
+    rest = sources if source else [iter(()) for _ in sources]
+    its = [None if r is None else replaying(r, s) for r, s in zip(reads, rest, strict=True)]
+    kwargs = {**call, "data_iterator": its if as_list else its[0]}
+    if plan is not None:
+        kwargs["num_microbatches"] = plan[2]
+        if plan[3] is not None and "micro_batch_size" in call:
+            kwargs["micro_batch_size"] = plan[3]
+    return kwargs
+
+
+def _reruns(
+    run: Callable[..., Any],
+    call: dict,
+    reads: list,
+    items: list,
+    plan: tuple,
+    chunks: list,
+    params: list,
+    unset: list[bool],
+    model_config: Any,
+    shards: ModelParallelGroups,
+) -> tuple[_Sketch, _Sketch | None]:
+    """The re-split run's sketch, and the reference's: None (the normal run, after these) or,
+    with dropout, whose masks cannot match across splits, the normal split's, both runs then in
+    eval mode. The RNG states are put back after them."""
+
+    def rerun(data: list, plan: tuple | None) -> _Sketch:
+        _zero_grads(chunks, params, unset)
+        run(**_replays(call, data, plan, source=False))
+        _unshard(chunks)
+        return _sketch(params, shards)
+
+    training = [c.training for c in chunks]
+    rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
+    rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
+    dropout = any(training) and any((rate or 0) > 0 for rate in rates)
+    try:
+        with rng_restored():
+            for chunk in chunks if dropout else ():
+                chunk.eval()
+            resplit_run = rerun(items, plan)
+            return resplit_run, rerun(reads, None) if dropout else None
+    finally:
+        for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
+            chunk.train(mode)
 
 
 def _plan(
@@ -254,55 +421,6 @@ def _resplit_reads(
     return items, None
 
 
-def _compare(
-    run: Callable[..., Any],
-    call: dict,
-    reads: list,
-    items: list,
-    plan: tuple | None,
-    kept: _Kept,
-    model_config: Any,
-    shards: ModelParallelGroups,
-    device: torch.device,
-) -> float:
-    """The re-split run's gradient against the normal one's (relative L2); with dropout, whose
-    masks cannot match across splits, against the normal split re-run, both in eval mode."""
-    chunks, as_list = kept.chunks, isinstance(call["data_iterator"], list)
-
-    def rerun(data: list, plan: tuple | None) -> None:
-        for chunk in chunks:  # DDP's zero_grad_buffer also resets its per-step bucket state
-            if hasattr(chunk, "zero_grad_buffer"):
-                chunk.zero_grad_buffer()
-            else:
-                chunk.zero_grad(set_to_none=False)
-        its = [None if d is None else iter(d) for d in data]
-        kwargs = {**call, "data_iterator": its if as_list else its[0]}
-        if plan is not None:
-            kwargs["num_microbatches"] = plan[2]
-            if plan[3] is not None and "micro_batch_size" in call:
-                kwargs["micro_batch_size"] = plan[3]
-        run(**kwargs)
-        _unshard(chunks)
-
-    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    training = [c.training for c in chunks]
-    rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
-    rates += [d.p for c in chunks for d in c.modules() if isinstance(d, _DropoutNd)]
-    dropout = any(training) and any((rate or 0) > 0 for rate in rates)
-    try:
-        with torch.random.fork_rng(cuda, device_type="cuda"):
-            if dropout:
-                for chunk in chunks:
-                    chunk.eval()
-                rerun(reads, None)
-            reference = _snapshot(kept.params) if dropout else kept.grads
-            rerun(items, plan)
-        return _relative_error(kept.params, reference, shards, device)
-    finally:
-        for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
-            chunk.train(mode)
-
-
 def _how(m: int, plan: tuple | None) -> str:
     """How the re-run split the step, for the pass and failure messages."""
     if plan is None:
@@ -337,18 +455,9 @@ def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) ->
     return None
 
 
-def _buffers(chunks: list) -> list[torch.Tensor]:
-    """Registered buffers (``nn.Module``'s: Megatron DDP's ``buffers`` are its grad buffers)."""
-    return [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
-
-
 def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     grad = getattr(param, "main_grad", None)
     return param.grad if grad is None else grad
-
-
-def _snapshot(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-    return [None if _grad(p) is None else _grad(p).detach().clone() for p in params]
 
 
 def _unshard(chunks: list) -> None:
@@ -376,16 +485,16 @@ def _max(values: Any, device: torch.device, *groups: Any) -> torch.Tensor:
     return tensor
 
 
-def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) -> tuple:
+def _replica_spread(params: list, sketch: _Sketch, groups: StepGroups) -> tuple:
     """Relative spread of dense gradients over DP x CP, and the index of the worst (-1: none)."""
-    pairs = enumerate(zip(params, grads, strict=True))
-    dense = [i for i, (p, g) in pairs if g is not None and getattr(p, "allreduce", True)]
+    dense = [
+        i for i, p in enumerate(params) if _grad(p) is not None and getattr(p, "allreduce", True)
+    ]
     if group_size(groups.dp_cp) <= 1 or not dense:
         return 0.0, -1
-    doubles = (grads[i].double() for i in dense)
-    sums = torch.stack([torch.stack([g.sum(), g.square().sum()]) for g in doubles])
-    both = _max(torch.cat([sums, -sums], dim=1), device, groups.dp_cp)  # the max gives the min too
-    numel = torch.tensor([grads[i].numel() for i in dense], dtype=torch.float64, device=device)
+    sums = sketch.sums[dense]
+    both = _max(torch.cat([sums, -sums], dim=1), sums.device, groups.dp_cp)  # max gives min too
+    numel = sketch.numel[dense]
     square = both[:, 1].clamp(min=1e-300)
     sum_spread = (both[:, 0] + both[:, 2]) / (numel.sqrt() * square.sqrt())
     spread = torch.maximum(sum_spread, (both[:, 1] + both[:, 3]) / square)
@@ -394,22 +503,25 @@ def _replica_spread(params: list, grads: list, groups: StepGroups, device: Any) 
 
 
 def _relative_error(
-    params: list, reference: list, groups: ModelParallelGroups, device: Any
+    reference: _Sketch, other: _Sketch, groups: ModelParallelGroups, device: Any
 ) -> float:
-    """Relative L2 distance from ``reference``, each element once (as Megatron's grad norm)."""
-    sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # dense, expert
-    tp_rank = 0 if groups.tp is None else dist.get_rank(groups.tp)  # TP copies: rank 0's count
-    for param, ref in zip(params, reference, strict=True):
-        grad = _grad(param)
-        tp_copy = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
-        if ref is None or grad is None or getattr(param, "shared", False) or tp_copy:
-            continue
-        d, r = (grad.double() - ref.double()).square().sum(), ref.double().square().sum()
-        sums[0 if getattr(param, "allreduce", True) else 1] += torch.stack([d, r])
-    for row, group in zip(sums, (groups.mp, groups.expert_mp), strict=True):
+    """The relative L2 distance of ``other``'s gradient from ``reference``'s, each element once
+    (as Megatron's grad norm): the larger of the projections' estimate and the lower bound that
+    the per-parameter norms and sums give (docs/design.md §9)."""
+    norms = (reference.sums[:, 1].clamp(min=0).sqrt(), other.sums[:, 1].clamp(min=0).sqrt())
+    sums = reference.sums[:, 0] - other.sums[:, 0]
+    bound = torch.maximum((norms[0] - norms[1]).square(), sums.square() / reference.numel.clamp(1))
+    estimate, lower, ref = 0.0, 0.0, 0.0
+    for kind, group in enumerate((groups.mp, groups.expert_mp)):
+        counted = reference.counted[:, kind]
+        totals = torch.stack([(bound * counted).sum(), (reference.sums[:, 1] * counted).sum()])
+        diff = (reference.projections[kind] - other.projections[kind]).reshape(-1)
+        row = torch.cat([diff, totals])
         if group_size(group) > 1:
             dist.all_reduce(row, group=group)
-    diff, ref = sums.sum(dim=0).tolist()
+        estimate += float(row[:-2].square().sum()) / PROJECTIONS
+        lower, ref = lower + float(row[-2]), ref + float(row[-1])
+    diff = max(estimate, lower)
     return (diff**0.5) / max(ref**0.5, 1e-30) if ref > 0 else float(diff > 0)
 
 

@@ -11,6 +11,7 @@ from functools import partial
 
 import pytest
 import torch
+from helpers.memory import MARK, tensor_peak
 
 from megatron_lossfix import LossFixConfig, LossFixSchedule, SelfCheckError
 from megatron_lossfix.args import add_lossfix_args, from_args
@@ -216,12 +217,15 @@ def _check_on_rank(
     broadcast: bool = False,
     finalize: str = "megatron",
     self_check: bool | None = True,
+    peaks: bool = False,
     **model_kwargs,
 ) -> dict:
     """A plain step, then the same step under the self-check (``self_check``: the config's
     value, None: its default), then a second checked step; every rank returns what it saw
-    (rank 0 also compares the full gradients)."""
+    (rank 0 also compares the full gradients; ``peaks``: the tensor peaks of the first two
+    schedule calls, and the gradients' bytes)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
@@ -248,6 +252,7 @@ def _check_on_rank(
     parts = {k: torch.split(v, sizes) for k, v in local.items()}
     mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(m)]
     counter = [0]
+    peak_bytes = []
 
     def step(schedule):
         torch.manual_seed(7)  # dropout: the same masks for the plain and the checked run
@@ -258,7 +263,8 @@ def _check_on_rank(
         iterators = [iter(mbs) for _ in chunks]
         if broadcast and not ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank():
             iterators = [None for _ in chunks]  # as Megatron-LM: data on TP rank 0 only
-        schedule(
+        call = partial(
+            schedule,
             forward_step_func=partial(
                 _forward_step, loss, counter, sizes[0] if broadcast else None
             ),
@@ -269,16 +275,21 @@ def _check_on_rank(
             micro_batch_size=sizes[0],
             forward_only=False,
         )
+        peak_bytes.append(tensor_peak(call)[1:]) if peaks else call()
         # (gather_full_grads asserts that DP replicas agree: not so when reduced wrongly)
         grads = gather_full_grads(chunks) if finalize == "megatron" else None
         return grads, torch.get_rng_state(), counter[0], schedule.step_metrics()["loss"]
 
     norm = 16.0 if reduction == "seq_mean_token_sum_norm" else None
     config_ = LossFixConfig(reduction=reduction, norm_constant=norm, self_check=False)
+    if peaks:  # one-time allocations of a first step out of the measured ones
+        step(LossFixSchedule(config_))
     if finalize == "megatron":
         plain, plain_rng, plain_calls, plain_loss = step(LossFixSchedule(config_))
     asked = {} if self_check is None else {"self_check": self_check}
     schedule = LossFixSchedule(LossFixConfig(reduction=reduction, norm_constant=norm, **asked))
+    if peaks:  # each of the check's runs marked, to read what is live when it starts
+        schedule.step.inner = partial(_marked, get_forward_backward_func())
     checker = schedule.self_check or SelfCheck(config_)  # opted out: a check that never ran
     try:
         checked, checked_rng, checked_calls, checked_loss = step(schedule)
@@ -301,10 +312,20 @@ def _check_on_rank(
         # The step record (metrics) is the normal run's, not the re-run's.
         "loss_same": plain_loss == checked_loss,
     }
+    if peaks:
+        grads = sum(p.main_grad.numel() * 4 for c in chunks for p in c.parameters())
+        (plain_peak, _), (checked_peak, held) = peak_bytes[1:3]
+        out["peaks"] = (plain_peak, checked_peak, max(held), grads)
     if plain is not None:
         out["grads_same"] = all(torch.equal(plain[k], checked[k]) for k in plain)
         out["second_same"] = all(torch.equal(plain[k], second[k]) for k in plain)
     return out
+
+
+def _marked(schedule, **call):
+    """Megatron's ``schedule`` in a ``record_function`` range named ``MARK``."""
+    with torch.profiler.record_function(MARK):
+        return schedule(**call)
 
 
 def _assert_passed(results: list[dict], plan_kind: str) -> None:
@@ -426,3 +447,65 @@ def test_opting_out_skips_the_first_step_check(dist_pool):
         plain, checked, second = res["calls"]
         assert plain == checked == second, res["calls"]
     assert results[0]["grads_same"]  # exactly a plain step's gradient
+
+
+@pytest.mark.oracle
+def test_the_check_holds_no_copy_of_the_gradient(dist_pool):
+    """On DP2, what the check holds when each of its runs starts (its reading, re-split and
+    normal runs) is under a quarter of the gradients' bytes, and the checked first step's tensor
+    peak exceeds a plain step's by less than that: no copy of the gradient is kept."""
+    results = dist_pool.run(_check_on_rank, 2, Layout(), 2, peaks=True, hidden=64)
+    _assert_passed(results, "split")
+    for rank, res in enumerate(results):
+        plain, checked, held, grads = res["peaks"]
+        assert held < 0.25 * grads, f"rank {rank}: {held=} {grads=}"
+        assert checked - plain < 0.25 * grads, f"rank {rank}: {plain=} {checked=} {grads=}"
+
+
+def _held_gradients_on_rank() -> dict:
+    """The check asked for on a step whose gradient buffer is not zero when it starts (a loop
+    that accumulates over schedule calls): what it warned, and how often the step read data."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.oracle_case import id_ranges
+    from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
+
+    init_layout(Layout())
+    chunks, config = build_tiny_gpt(Layout(), seq_len=16)
+    case, rank = OracleCase(), ps.get_data_parallel_rank()
+    sizes = microbatch_plan(case, ps.get_data_parallel_world_size(), 2)[rank]
+    batch = make_global_batch(case, config.vocab_size)
+    local = {k: v[rank * sum(sizes) : (rank + 1) * sum(sizes)] for k, v in batch.items()}
+    parts = {k: torch.split(v, sizes) for k, v in local.items()}
+    mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(2)]
+    chunks[0].zero_grad_buffer()
+    for param in chunks[0].parameters():
+        param.main_grad.fill_(1.0)
+    counter = [0]
+    schedule = LossFixSchedule(LossFixConfig(reduction="token_mean", self_check=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        schedule(
+            forward_step_func=partial(_forward_step, "plugin", counter, None),
+            data_iterator=iter(mbs),
+            model=chunks[0],
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=sizes[0],
+            forward_only=False,
+        )
+    return {
+        "warnings": [str(w.message) for w in seen if "self-check" in str(w.message)],
+        "calls": counter[0],
+        "error": schedule.self_check.last_error,
+    }
+
+
+@pytest.mark.oracle
+def test_gradients_held_before_the_step_are_not_checked(dist_pool):
+    """The check's runs start from zero: a step that starts with gradients in the buffer is
+    run once, as it is, on every rank, and the asked-for check says why it was skipped."""
+    for rank, res in enumerate(dist_pool.run(_held_gradients_on_rank, 2)):
+        assert res["calls"] == 2 and res["error"] is None, f"rank {rank}: {res}"
+        assert any("not zero before the step" in w for w in res["warnings"]), res
