@@ -25,6 +25,7 @@ its records:
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -482,19 +483,22 @@ def _doc_cpu_command() -> str:
 @needs_megatron_lm
 def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     """``docs/megatron_lm_rl.md``'s CPU commands, as printed, on a fresh (unpatched) checkout
-    of the suite's tag: the patch applies, ``train_rl.py --loss-reduction sequence_mean`` trains
-    on 2 CPU ranks, and the metrics are the mode's: 5 sequences (rows), 49 loss tokens, the
-    logged loss L."""
-    import json
+    of the suite's tag (core_v0.19.0 or main, which the page names): the patch applies,
+    ``compare`` prints stock against the plugin, 1 rank against DP2, and finds the plugin
+    exact, and ``train_rl.py --loss-reduction sequence_mean`` trains on 2 CPU ranks with the
+    mode's metrics: 5 sequences (rows), 49 loss tokens, the logged loss L. Everything lands in
+    ``out/``."""
     import os
 
     from helpers.megatron_lm_run import reuse_installed_helpers, unpack_tag
 
     tree = unpack_tag(ARCHIVES, TAGS[0], tmp_path / "checkout")
+    if not _pads_rows(tree):
+        pytest.skip(f"the page's CPU block is for core_v0.19.0 and main, not {TAGS[0]}")
     reuse_installed_helpers(tree)
     work = tmp_path / "work"  # the repository root as the reader has it; outputs land here
     work.mkdir()
-    for name in ("megatron_lossfix", "patches", "tests"):
+    for name in ("megatron_lossfix", "patches"):
         (work / name).symlink_to(ROOT / name)
     script = _doc_cpu_command().replace("/path/to/Megatron-LM", str(tree))
     env = dict(os.environ)  # the reader's environment: this interpreter's bin first on PATH
@@ -502,11 +506,17 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")])
     with slots(2):
         proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+                              capture_output=True, text=True, timeout=1800)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
-    records = [json.loads(line) for line in (work / "rl-metrics.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in work.iterdir()) == ["megatron_lossfix", "out", "patches"]
+    # compare's table: stock moves with DP2's padding row, the plugin does not.
+    rows = dict(re.findall(r"^(stock|plugin) +([0-9.e+-]+) ", output, re.M))
+    assert float(rows["stock"]) > 1e-3 and float(rows["plugin"]) <= REL, output[-3000:]
+    assert re.search(r"^plugin: exact \(largest difference", output, re.M), output[-3000:]
+    metrics = work / "out" / "rl-metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2], output[-4000:]
     for record in records:
         assert record["reduction"] == "sequence_mean"
@@ -544,3 +554,127 @@ def test_cpu_attention_runs_each_packed_segment_alone() -> None:
     with pytest.raises(ValueError, match="--micro-batch-size 1") as info:
         attend(None, q[:, None], k[:, None], v[:, None], None, packed_seq_params=Packed())
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------ rows read
+def _rollouts(*turns: int) -> list[list[_Rollout]]:
+    """Groups of 2 rollouts of these numbers of turns."""
+    rollouts = [_Rollout(n) for n in turns]
+    return [rollouts[i : i + 2] for i in range(0, len(rollouts), 2)]
+
+
+@pytest.mark.unit
+def test_a_step_that_reads_a_layout_dependent_subset_of_rows_is_found() -> None:
+    """Before core_v0.19.0 the step reads ``rollouts // DP`` rows on each rank (it counts
+    rollouts), from the rows of that rank's rollouts: the ``multi`` set (turns 1, 2, 1, 1) holds
+    5 rows, of which 1 rank reads 4 and DP2 (3 and 2 rows) 2 each; packed, the ranks' rows are
+    gathered as equal blocks. Single-turn rollouts are read once at every layout."""
+    unread = megatron_lm_rl_groups.unread_rows
+    multi = _rollouts(1, 2, 1, 1)
+    one = unread(multi, data_parallel_size=1, sequence_packing=False)
+    assert "5 rows" in one and "holds 5 rows and reads 4" in one and "core_v0.19.0" in one
+    two = unread(multi, data_parallel_size=2, sequence_packing=False)
+    assert "hold 3, 2 and read 2 each" in two and "\n" not in two
+    assert unread(multi, data_parallel_size=1, sequence_packing=True) is None
+    assert "hold 3, 2" in unread(multi, data_parallel_size=2, sequence_packing=True)
+    # Every rank holds as many rows: packing reads each once; unpacked still drops rows.
+    even = _rollouts(2, 1, 2, 1)
+    assert unread(even, data_parallel_size=2, sequence_packing=True) is None
+    assert unread(even, data_parallel_size=2, sequence_packing=False) is not None
+    for size in (1, 2, 4):
+        for packing in (False, True):
+            assert unread(_rollouts(*[1] * 8), data_parallel_size=size,
+                          sequence_packing=packing) is None  # fmt: skip
+    dropped = unread(_rollouts(1, 1, 1, 1, 1, 1), data_parallel_size=4, sequence_packing=True)
+    assert "6 rollouts" in dropped and "drops the last 2" in dropped
+
+
+class _RLUtils:
+    """What ``install`` wraps: a ``prepare_data_for_update`` recording that it ran."""
+
+    def __init__(self, pads_rows: bool) -> None:
+        self.calls: list[int] = []
+        if pads_rows:
+            self.PAD_TURN_UNIT = None
+
+        def prepare_data_for_update(model, ref_state_dict, rollouts, tokenizer,
+                                    sequence_packing, is_correction):  # fmt: skip
+            self.calls.append(len(rollouts))
+            return _Rollout(0)  # stands for the data iterator (the record is keyed by it)
+
+        self.prepare_data_for_update = prepare_data_for_update
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_rl_step_refuses_a_layout_dependent_subset_before_it_trains(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    """Under ``--loss-reduction``, a Megatron-LM that does not pad rows refuses the ``multi``
+    rollouts in ``prepare_data_for_update``, before it builds the step, in one line naming the
+    release that pads them; without the flag (stock), or where the rows are padded, it runs."""
+    import types
+
+    from megatron.core import mpu
+
+    args = argparse.Namespace(loss_reduction="sequence_mean", micro_batch_size=1)
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: world)
+    monkeypatch.setattr(mpu, "get_data_parallel_rank", lambda: 0)
+
+    def call(utils: _RLUtils) -> object:
+        return utils.prepare_data_for_update(None, {}, _rollouts(1, 2, 1, 1), None, False, False)
+
+    before = _RLUtils(pads_rows=False)
+    megatron_lm_rl_groups.install(before)
+    with pytest.raises(ValueError) as info:
+        call(before)
+    line = str(info.value)
+    assert line.startswith("megatron_lossfix: --loss-reduction: ") and "\n" not in line
+    assert "core_v0.19.0" in line and before.calls == []
+    args.loss_reduction = None  # stock Megatron-LM: unchanged
+    call(before)
+    args.loss_reduction = "sequence_mean"
+    padded = _RLUtils(pads_rows=True)
+    megatron_lm_rl_groups.install(padded)
+    call(padded)
+    assert before.calls == padded.calls == [2]
+
+
+def _pads_rows(tree: Path) -> bool:
+    return "pad_to_multiple" in (tree / "megatron/rl/rl_utils.py").read_text()
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_refuses_a_multi_turn_step_before_core_v0_19(
+    rl_runs: _RLRuns, tag: str, tmp_path: Path
+) -> None:
+    """Before core_v0.19.0 stock Megatron-LM trains a layout-dependent subset of the ``multi``
+    set's 5 rows (4 on 1 rank, 4 others on DP2); the package's ``compare`` (stock, then the
+    plugin, on 1 rank and DP2) shows it, and the plugin's step is refused on every rank with
+    one line naming core_v0.19.0, before it trains. From core_v0.19.0 the rows are padded:
+    ``test_train_rl_plugin_is_layout_invariant`` checks the set there."""
+    from helpers.megatron_lm_rl import compare
+
+    tree = rl_runs.tree(tag)
+    if _pads_rows(tree):
+        pytest.skip(f"{tag} pads the rows: the layout test checks the multi set there")
+    printed: list[str] = []
+    with slots(2):
+        code = compare(tree, rollout_set="multi", loss_reduction="sequence_mean",
+                       out=tmp_path, echo=printed.append)  # fmt: skip
+    text = "\n".join(printed)
+    assert code == 2, text
+    for nproc in (1, 2):
+        (stock,) = [json.loads(line) for line in (tmp_path / f"ranks{nproc}.jsonl").open()]
+        assert stock["loss_reduction"] is None and stock["num_sequences"] == 4, (nproc, stock)
+        for rank in range(nproc):
+            output = (tmp_path / f"ranks{nproc}.rank{rank}.log").read_text()
+            lines = re.findall(r"ValueError: (megatron_lossfix: .*)", output)
+            assert len(lines) == 1 and "core_v0.19.0" in lines[0], (nproc, rank, output[-3000:])
+            assert "layout-dependent subset of this step's 5 rows" in lines[0], lines[0]
+    assert "refused: megatron_lossfix: --loss-reduction: " in text, text
