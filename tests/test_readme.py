@@ -70,9 +70,9 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "tag's tree where MEGATRON_LM_ARCHIVES is set",
     ),
     (
-        "tests/helpers/megatron_lm_rl.py",
+        "-m megatron_lossfix rl-replay",
         "needs Megatron-LM sources: tests/test_megatron_lm_rl.py runs train_rl.py through this "
-        "helper and its plans where MEGATRON_LM_ARCHIVES is set",
+        "replay and its plans where MEGATRON_LM_ARCHIVES is set",
     ),
     (
         "-p helpers.upstream_schedules",
@@ -253,7 +253,9 @@ def test_every_skip_names_a_readme_command():
 def test_readme_commands_write_only_to_ignored_folders():
     """Outputs named on a command line of the pages go under a folder git ignores (out/)."""
     for cmd in COMMANDS:
-        for path in re.findall(r"--(?:metrics-out|out)\s+(\S+)", cmd):
+        written = re.findall(r"--(?:[\w-]+-)?out\s+(\S+)", cmd)  # --out, --lossfix-metrics-out, ...
+        written += re.findall(r"write-plan\s+(\S+)|LOSSFIX_RL_PLAN=(\S+)", cmd)
+        for path in filter(None, (w if isinstance(w, str) else "".join(w) for w in written)):
             assert path.startswith("out/"), f"{cmd}: writes {path} outside out/"
     assert "/out/" in ROOT.joinpath(".gitignore").read_text().splitlines()
 

@@ -92,7 +92,7 @@ __all__ = [
 class MockTokenizer:
     """What Megatron-LM's RL data path asks of a tokenizer: pad, EOD, no BOS, detokenize."""
 
-    library = "lossfix-test"
+    library = "lossfix-replay"
 
     def __init__(self, vocab_size: int, eod: int) -> None:
         self.vocab_size, self.eod, self.pad = vocab_size, eod, eod - 1
@@ -126,7 +126,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 
 
 def rollout_sets(eod: int, seed: int = 0) -> dict[str, list]:
-    """The rollout groups of the tests (token ids 1..200, so never pad or EOD), by name:
+    """The rollout sets of the replay and the tests (token ids 1..200, so never pad or EOD):
 
     - ``single``: 8 single-turn rollouts (4 groups of 2), responses of 3..18 tokens;
     - ``multi``: 4 rollouts (2 groups of 2), one of them 2 turns that are not a prefix chain
@@ -256,7 +256,7 @@ def _token_rollouts(groups: list, rollout_class: type, index: int) -> list:
                 # the trainer's for logging (without --rl-inference-logprobs-is-correction).
                 "logprobs": [[-1.0] * sum(m) for m in rollout["generation_mask"]],
                 "reward": rollout["reward"],
-                "env_id": "lossfix-test",
+                "env_id": "lossfix-replay",
                 "problem_id": f"{index}-{g}",
                 "policy_epoch": [[(0, 0)] for _ in range(turns)],
                 "kv_cache_epoch": [[(0, 0)] for _ in range(turns)],
