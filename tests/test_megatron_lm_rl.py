@@ -19,7 +19,11 @@ its records:
 - ``token_mean_legacy`` is stock's mean of per-micro-batch means (layout-dependent by design);
 - a packed bin's sequences are the rows of the unpacked step (the same gradient);
 - what the plugin cannot make exact is refused before the first step on every rank, and the
-  CPU command of ``docs/megatron_lm_rl.md`` runs as printed.
+  CPU command of ``docs/megatron_lm_rl.md`` runs as printed;
+- TP2, PP2 and TP2 x DP2 started from one rank's initial weights agree with one rank (stock and
+  plugin; stock's TP2 x DP2 moves with its padding), the plugin's weights and counts bit for
+  bit; PP2 from its own random weights (Megatron-LM seeds each stage apart) is another model
+  (:func:`test_train_rl_tensor_and_pipeline_parallel`, in the model-parallel section below).
 """
 
 from __future__ import annotations
@@ -590,8 +594,9 @@ class _LayoutRuns:
     from them, and PP2 from its own random weights; all with ``--calculate-per-token-loss``
     (what Megatron-LM's RL examples use). The tests read their records."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, trees: _RLRuns) -> None:
         self.root = root
+        self.trees = trees  # the patched checkouts (and so the zygotes) of the DP launches
         self.runs: dict[str, tuple[list[tuple], dict]] = {}
 
     def get(self, tag: str) -> tuple[list[tuple], dict]:
@@ -604,15 +609,12 @@ class _LayoutRuns:
                 rollout_sets,
                 write_plan,
             )
-            from helpers.megatron_lm_run import (
-                checkout_null_tokenizer_eod,
-                prepare_tree,
-                run_pretrain_gpts,
-            )
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
 
-            tree, eod, _ = prepare_tree(ARCHIVES, tag, self.root / tag)
+            tree = self.trees.tree(tag)
+            eod = checkout_null_tokenizer_eod(tree)
             steps = _mp_steps(tree)
-            plan = _plan(steps, rollout_sets(checkout_null_tokenizer_eod(tree)))
+            plan = _plan(steps, rollout_sets(eod))
             initial = self.root / f"{tag}-initial"
             # TP2 pads the vocabulary to a multiple of 2 x this: the same size as one rank's.
             vocab = ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]
@@ -643,8 +645,8 @@ class _LayoutRuns:
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> _LayoutRuns:
-    return _LayoutRuns(tmp_path_factory.mktemp("megatron-lm-rl-layouts"))
+def layout_runs(tmp_path_factory: pytest.TempPathFactory, rl_runs: _RLRuns) -> _LayoutRuns:
+    return _LayoutRuns(tmp_path_factory.mktemp("megatron-lm-rl-layouts"), rl_runs)
 
 
 def _real_rows(weights: torch.Tensor) -> list[tuple]:
