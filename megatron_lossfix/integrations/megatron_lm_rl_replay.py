@@ -31,9 +31,12 @@ every mode on the same model (with ``--lr 0`` the weights stay). Without the key
 flags decide. With ``out``, the last rank appends one JSON line per step: ``iteration``,
 ``loss_reduction``, ``lm_loss`` (what ``train_step`` reduced for the log), ``grad_norm``,
 ``num_microbatches``, ``num_sequences`` and ``num_tokens`` (the rows with a loss token and the
-loss tokens the step read, over the data-parallel ranks) and ``grad``, the path of a
-``torch.save`` of every parameter's gradient (``main_grad``) after the step (run with
-``--clip-grad 0``: clipping rescales it in place).
+loss tokens the step read, over the data-parallel ranks) and ``grad``, the paths of a
+``torch.save`` per pipeline stage of every parameter and its gradient (``main_grad``) after the
+step, tensor parallelism's shards gathered (run with ``--clip-grad 0``: clipping rescales it in
+place); under a plugin mode also ``weights`` (paths: the plugin's weights of each micro-batch,
+one file per data-parallel rank) and ``lossfix_loss``, ``lossfix_num_tokens``,
+``lossfix_num_sequences`` (the step's metrics). :func:`read_records` reads them back.
 
 Commands (``python -m megatron_lossfix rl-replay ...``, or ``-m`` this module)::
 
@@ -227,15 +230,25 @@ def rl_args(*, train_iters: int, per_token: bool = False, nproc: int = 1) -> lis
 
 
 def read_records(out: str | os.PathLike) -> list[dict]:
-    """The ``out`` lines of a run, each with ``grad``: the full gradient, one float64 vector
-    (parameters in name order)."""
+    """The ``out`` lines of a run, each with ``grad`` and ``param``: the full gradient and the
+    parameters, one float64 vector each (parameters in name order, named in ``grad_names``,
+    the pipeline stages' joined; ``stage_files``: the stages' files) and, under a plugin mode,
+    ``weights``: the plugin's weights of every micro-batch row (or packed bin), data-parallel
+    ranks in order."""
     import torch
 
     records = []
     for line in Path(out).read_text().splitlines():
         record = json.loads(line)
-        grads = torch.load(record["grad"])
-        record["grad"] = torch.cat([grads[k].double().flatten() for k in sorted(grads)])
+        record["stage_files"] = record["grad"]
+        views = [torch.load(path) for path in record["grad"]]  # one per pipeline stage
+        for key in ("grad", "param"):
+            tensors = {k: v for view in views for k, v in view[key].items()}
+            record[key] = torch.cat([tensors[k].double().flatten() for k in sorted(tensors)])
+        record["grad_names"] = sorted(k for view in views for k in view["grad"])
+        if record.get("weights"):
+            rows = [w for path in record["weights"] for w in torch.load(path)]
+            record["weights"] = torch.cat([w.reshape(-1, w.shape[-1]) for w in rows])
         records.append(record)
     return records
 
@@ -393,8 +406,50 @@ def _counted(forward_backward_func: Any, counting: list) -> Any:
     return counted
 
 
+def _one_rank_view(model: Sequence) -> dict:
+    """This rank's parameters and gradients (``main_grad``) under the names and shapes of the
+    one-rank model: ``{"grad": {name: tensor}, "param": {name: tensor}}``. Tensor-parallel shards
+    are gathered over the tensor-parallel group, a pipeline stage's layers take their global
+    numbers, and the last stage's copy of tied word embeddings is left out."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    tp_group = mpu.get_tensor_model_parallel_group()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+
+    def whole(tensor: torch.Tensor, param: Any) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+            tensor = torch.cat(shards, dim=param.partition_dim)
+        return tensor.cpu().clone()
+
+    view: dict[str, dict] = {"grad": {}, "param": {}}
+    for chunk in model:
+        layers = {}  # "<...>.layers.<local>." -> "<...>.layers.<global>."
+        for name, module in chunk.named_modules():
+            local = re.fullmatch(r"(.*\.layers)\.(\d+)", name)
+            if local and hasattr(module, "layer_number"):
+                layers[f"{name}."] = f"{local[1]}.{module.layer_number - 1}."
+        for name, param in chunk.named_parameters():
+            if getattr(param, "shared", False):
+                continue  # the last stage's copy of the word embeddings
+            grad = getattr(param, "main_grad", None)
+            prefix = next((k for k in layers if name.startswith(k)), None)
+            name = name if prefix is None else layers[prefix] + name[len(prefix) :]
+            view["grad"][name] = whole(param.grad if grad is None else grad, param)
+            view["param"][name] = whole(param, param)
+    return view
+
+
 def _recording(train_step: Any, plan: dict, settings: Any, megatron_lm_rl: Any) -> Any:
-    """``train_step`` with the plan's mode of each iteration, recording what it measured."""
+    """``train_step`` with the plan's mode of each iteration, recording what it measured: the
+    rows and tokens the step read, the full gradient and parameters (each pipeline stage's,
+    saved by its first rank of data and tensor parallelism), and under a plugin mode the step's
+    counts and loss and the weights of every micro-batch (saved by each data-parallel rank of
+    the loss stage)."""
     import torch
     import torch.distributed as dist
     from megatron.core import mpu
@@ -408,6 +463,8 @@ def _recording(train_step: Any, plan: dict, settings: Any, megatron_lm_rl: Any) 
         call = dict(zip(names[: len(args)], args, strict=True)) | kwargs
         iteration = int(call.get("iteration") or 0)
         wanted = settings(iteration)
+        weights: list = []
+        plugin = None
         if "loss_reduction" in wanted:
             inner = call["forward_backward_func"]
             inner = getattr(inner, "inner", inner)  # the run's own plugin wrapper: unwrap it
@@ -416,7 +473,14 @@ def _recording(train_step: Any, plan: dict, settings: Any, megatron_lm_rl: Any) 
                 mode_args.loss_reduction = wanted["loss_reduction"]
                 mode_args.loss_norm_constant = wanted.get("loss_norm_constant")
                 mode_args.lossfix_metrics_out = None
-                inner = megatron_lm_rl.wrap_forward_backward_func(inner, mode_args)
+                inner = plugin = megatron_lm_rl.wrap_forward_backward_func(inner, mode_args)
+                rl_loss = plugin._rl_loss
+
+                def kept_rl_loss(micro_batch_weights: Any, *rest: Any) -> tuple:
+                    weights.append(micro_batch_weights.detach().cpu().clone())
+                    return rl_loss(micro_batch_weights, *rest)
+
+                plugin._rl_loss = kept_rl_loss
             call["forward_backward_func"] = inner
         counting: list[_Counting] = []
         if out is not None:
@@ -424,19 +488,24 @@ def _recording(train_step: Any, plan: dict, settings: Any, megatron_lm_rl: Any) 
         result = train_step(**call)
         if out is None:
             return result
-        # Every rank takes part in the count; the last one writes the record.
+        # Every rank takes part in the count, the metrics and the view; the last one writes
+        # the record.
         reader = counting[0] if counting else _Counting(iter(()))  # one a step (no VPP)
         rows, tokens = reader.counts(mpu.get_data_parallel_group())
+        metrics = plugin.schedule.step_metrics() if plugin is not None else {}  # collective
+        view = _one_rank_view(call["model"])  # collective over TP
+        stem = out.with_name(f"{out.stem}.{iteration + 1}")
+        stages = mpu.get_pipeline_model_parallel_world_size()
+        stage_paths = [f"{stem}.pp{p}.pt" for p in range(stages)]
+        dp_rank, tp_rank = mpu.get_data_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+        if dp_rank == 0 and tp_rank == 0:
+            torch.save(view, stage_paths[mpu.get_pipeline_model_parallel_rank()])
+        dp_paths = [f"{stem}.w.dp{d}.pt" for d in range(mpu.get_data_parallel_world_size())]
+        if weights and tp_rank == 0:
+            torch.save(weights, dp_paths[dp_rank])
         if dist.get_rank() != dist.get_world_size() - 1:
             return result
         loss_dict, grad_norm = result[0], result[5]
-        grads = {}
-        for chunk in call["model"]:
-            for name, param in chunk.named_parameters():
-                grad = getattr(param, "main_grad", None)
-                grads[name] = (param.grad if grad is None else grad).detach().cpu().clone()
-        grad_path = out.with_name(f"{out.stem}.grad{iteration + 1}.pt")
-        torch.save(grads, grad_path)
         lm_loss = loss_dict.get("lm loss") if isinstance(loss_dict, dict) else None
         record = {
             "iteration": iteration + 1,
@@ -448,8 +517,11 @@ def _recording(train_step: Any, plan: dict, settings: Any, megatron_lm_rl: Any) 
             "num_microbatches": get_num_microbatches(),
             "num_sequences": rows,
             "num_tokens": tokens,
-            "grad": str(grad_path),
-        }
+            "grad": stage_paths,
+            "weights": dp_paths if plugin is not None else None,
+            **{f"lossfix_{k}": metrics[k] for k in ("loss", "num_tokens", "num_sequences")
+               if k in metrics},
+        }  # fmt: skip
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
         return result
