@@ -71,6 +71,7 @@ RELEASE_TESTS = (
     "tests/test_megatron_lm_rl.py::test_train_rl_plugin_is_layout_invariant",
     "tests/test_megatron_lm_rl.py::test_train_rl_stock_moves_with_the_padding",
     "tests/test_megatron_lm_rl.py::test_train_rl_modes_mean_what_they_say",
+    "tests/test_megatron_lm_rl.py::test_train_rl_refuses_a_multi_turn_step_before_core_v0_19",
     "tests/test_upstream_schedules.py",
 )
 #: What Megatron-LM's training scripts and its schedule tests import beyond megatron-core, with

@@ -4,12 +4,12 @@ Unit tests (no Megatron-LM): the refusals, the RL micro-batches the plugin reads
 callable the patched ``loss_func`` calls (its values, its reports, no host sync).
 
 End to end, with ``MEGATRON_LM_ARCHIVES``: the real, patched ``train_rl.py`` of the installed
-release's tag (and of ``main`` on Python >= 3.12) trains on CPU with fixed rollouts
-(``tests/helpers/megatron_lm_rl.py``): its real ``train() -> get_grpo_data_iterator ->
-prepare_data_for_update -> train_step`` with ``train_rl.forward_step``/``loss_func``. One launch
-per layout and ``--calculate-per-token-loss`` setting runs every rollout set under stock
-Megatron-LM and each mode, one iteration each at learning rate 0 (:func:`_plan`); the tests read
-its records:
+release's tag (and of ``main`` on Python >= 3.12) trains on CPU with fixed rollouts (the
+package's replay, ``integrations.megatron_lm_rl_replay``): its real ``train() ->
+get_grpo_data_iterator -> prepare_data_for_update -> train_step`` with
+``train_rl.forward_step``/``loss_func``. One launch per layout and
+``--calculate-per-token-loss`` setting runs every rollout set under stock Megatron-LM and each
+mode, one iteration each at learning rate 0 (:func:`_plan`); the tests read its records:
 
 - every mode but ``token_mean_legacy`` agrees between 1 rank and DP2, and between 3 and 6
   packed bins on one rank, to 1e-6 (loss, grad norm, full gradient), with and without the flag;
@@ -18,13 +18,19 @@ its records:
   fails there, and would fail for the plugin without the fix;
 - ``token_mean_legacy`` is stock's mean of per-micro-batch means (layout-dependent by design);
 - a packed bin's sequences are the rows of the unpacked step (the same gradient);
-- what the plugin cannot make exact is refused before the first step on every rank, and the
-  CPU command of ``docs/megatron_lm_rl.md`` runs as printed.
+- what the plugin cannot make exact is refused before the first step on every rank (before
+  core_v0.19.0 also a multi-turn step that would train a layout-dependent subset of its rows),
+  and the CPU commands of ``docs/megatron_lm_rl.md`` run as printed;
+- TP2, PP2 and TP2 x DP2 started from one rank's initial weights agree with one rank (stock and
+  plugin; stock's TP2 x DP2 moves with its padding), the plugin's weights and counts bit for
+  bit; PP2 from its own random weights (Megatron-LM seeds each stage apart) is another model
+  (:func:`test_train_rl_tensor_and_pipeline_parallel`, in the model-parallel section below).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -482,19 +488,22 @@ def _doc_cpu_command() -> str:
 @needs_megatron_lm
 def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     """``docs/megatron_lm_rl.md``'s CPU commands, as printed, on a fresh (unpatched) checkout
-    of the suite's tag: the patch applies, ``train_rl.py --loss-reduction sequence_mean`` trains
-    on 2 CPU ranks, and the metrics are the mode's: 5 sequences (rows), 49 loss tokens, the
-    logged loss L."""
-    import json
+    of the suite's tag (core_v0.19.0 or main, which the page names): the patch applies,
+    ``compare`` prints stock against the plugin, 1 rank against DP2, and finds the plugin
+    exact, and ``train_rl.py --loss-reduction sequence_mean`` trains on 2 CPU ranks with the
+    mode's metrics: 5 sequences (rows), 49 loss tokens, the logged loss L. Everything lands in
+    ``out/``."""
     import os
 
     from helpers.megatron_lm_run import reuse_installed_helpers, unpack_tag
 
     tree = unpack_tag(ARCHIVES, TAGS[0], tmp_path / "checkout")
+    if not _pads_rows(tree):
+        pytest.skip(f"the page's CPU block is for core_v0.19.0 and main, not {TAGS[0]}")
     reuse_installed_helpers(tree)
     work = tmp_path / "work"  # the repository root as the reader has it; outputs land here
     work.mkdir()
-    for name in ("megatron_lossfix", "patches", "tests"):
+    for name in ("megatron_lossfix", "patches"):
         (work / name).symlink_to(ROOT / name)
     script = _doc_cpu_command().replace("/path/to/Megatron-LM", str(tree))
     env = dict(os.environ)  # the reader's environment: this interpreter's bin first on PATH
@@ -502,11 +511,18 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")])
     with slots(2):
         proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
+                              capture_output=True, text=True, timeout=1800)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
-    records = [json.loads(line) for line in (work / "rl-metrics.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in work.iterdir()) == ["megatron_lossfix", "out", "patches"]
+    # compare's table: stock moves with DP2's padding row, the plugin does not.
+    differences = output[output.index("relative difference, 1 rank against DP2:") :]
+    rows = dict(re.findall(r"^(stock|plugin) +([0-9.e+-]+) ", differences, re.M))  # loss
+    assert float(rows["stock"]) > 1e-3 and float(rows["plugin"]) <= REL, output[-3000:]
+    assert re.search(r"^plugin: exact \(largest difference", output, re.M), output[-3000:]
+    metrics = work / "out" / "rl-metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2], output[-4000:]
     for record in records:
         assert record["reduction"] == "sequence_mean"
@@ -544,3 +560,325 @@ def test_cpu_attention_runs_each_packed_segment_alone() -> None:
     with pytest.raises(ValueError, match="--micro-batch-size 1") as info:
         attend(None, q[:, None], k[:, None], v[:, None], None, packed_seq_params=Packed())
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------ rows read
+def _rollouts(*turns: int) -> list[list[_Rollout]]:
+    """Groups of 2 rollouts of these numbers of turns."""
+    rollouts = [_Rollout(n) for n in turns]
+    return [rollouts[i : i + 2] for i in range(0, len(rollouts), 2)]
+
+
+@pytest.mark.unit
+def test_a_step_that_reads_a_layout_dependent_subset_of_rows_is_found() -> None:
+    """Before core_v0.19.0 the step reads ``rollouts // DP`` rows on each rank (it counts
+    rollouts), from the rows of that rank's rollouts: the ``multi`` set (turns 1, 2, 1, 1) holds
+    5 rows, of which 1 rank reads 4 and DP2 (3 and 2 rows) 2 each; packed, the ranks' rows are
+    gathered as equal blocks. Single-turn rollouts are read once at every layout."""
+    unread = megatron_lm_rl_groups.unread_rows
+    multi = _rollouts(1, 2, 1, 1)
+    one = unread(multi, data_parallel_size=1, sequence_packing=False)
+    assert "5 rows" in one and "holds 5 rows and reads 4" in one and "core_v0.19.0" in one
+    two = unread(multi, data_parallel_size=2, sequence_packing=False)
+    assert "hold 3, 2 and read 2 each" in two and "\n" not in two
+    assert unread(multi, data_parallel_size=1, sequence_packing=True) is None
+    assert "hold 3, 2" in unread(multi, data_parallel_size=2, sequence_packing=True)
+    # Every rank holds as many rows: packing reads each once; unpacked still drops rows.
+    even = _rollouts(2, 1, 2, 1)
+    assert unread(even, data_parallel_size=2, sequence_packing=True) is None
+    assert unread(even, data_parallel_size=2, sequence_packing=False) is not None
+    for size in (1, 2, 4):
+        for packing in (False, True):
+            assert unread(_rollouts(*[1] * 8), data_parallel_size=size,
+                          sequence_packing=packing) is None  # fmt: skip
+    dropped = unread(_rollouts(1, 1, 1, 1, 1, 1), data_parallel_size=4, sequence_packing=True)
+    assert "6 rollouts" in dropped and "drops the last 2" in dropped
+
+
+class _RLUtils:
+    """What ``install`` wraps: a ``prepare_data_for_update`` recording that it ran."""
+
+    def __init__(self, pads_rows: bool) -> None:
+        self.calls: list[int] = []
+        if pads_rows:
+            self.PAD_TURN_UNIT = None
+
+        def prepare_data_for_update(model, ref_state_dict, rollouts, tokenizer,
+                                    sequence_packing, is_correction):  # fmt: skip
+            self.calls.append(len(rollouts))
+            return _Rollout(0)  # stands for the data iterator (the record is keyed by it)
+
+        self.prepare_data_for_update = prepare_data_for_update
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_rl_step_refuses_a_layout_dependent_subset_before_it_trains(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    """Under ``--loss-reduction``, a Megatron-LM that does not pad rows refuses the ``multi``
+    rollouts in ``prepare_data_for_update``, before it builds the step, in one line naming the
+    release that pads them; without the flag (stock), or where the rows are padded, it runs."""
+    import types
+
+    from megatron.core import mpu
+
+    args = argparse.Namespace(loss_reduction="sequence_mean", micro_batch_size=1)
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: world)
+    monkeypatch.setattr(mpu, "get_data_parallel_rank", lambda: 0)
+
+    def call(utils: _RLUtils) -> object:
+        return utils.prepare_data_for_update(None, {}, _rollouts(1, 2, 1, 1), None, False, False)
+
+    before = _RLUtils(pads_rows=False)
+    megatron_lm_rl_groups.install(before)
+    with pytest.raises(ValueError) as info:
+        call(before)
+    line = str(info.value)
+    assert line.startswith("megatron_lossfix: --loss-reduction: ") and "\n" not in line
+    assert "core_v0.19.0" in line and before.calls == []
+    args.loss_reduction = None  # stock Megatron-LM: unchanged
+    call(before)
+    args.loss_reduction = "sequence_mean"
+    padded = _RLUtils(pads_rows=True)
+    megatron_lm_rl_groups.install(padded)
+    call(padded)
+    assert before.calls == padded.calls == [2]
+
+
+def _pads_rows(tree: Path) -> bool:
+    return "pad_to_multiple" in (tree / "megatron/rl/rl_utils.py").read_text()
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_refuses_a_multi_turn_step_before_core_v0_19(
+    rl_runs: _RLRuns, tag: str, tmp_path: Path
+) -> None:
+    """Before core_v0.19.0 stock Megatron-LM trains a layout-dependent subset of the ``multi``
+    set's 5 rows (4 on 1 rank, 4 others on DP2); the package's ``compare`` (stock, then the
+    plugin, on 1 rank and DP2) shows it, and the plugin's step is refused on every rank with
+    one line naming core_v0.19.0, before it trains. From core_v0.19.0 the rows are padded:
+    ``test_train_rl_plugin_is_layout_invariant`` checks the set there."""
+    from helpers.megatron_lm_rl import compare
+
+    tree = rl_runs.tree(tag)
+    if _pads_rows(tree):
+        pytest.skip(f"{tag} pads the rows: the layout test checks the multi set there")
+    printed: list[str] = []
+    with slots(2):
+        code = compare(tree, rollout_set="multi", loss_reduction="sequence_mean",
+                       out=tmp_path, echo=printed.append)  # fmt: skip
+    text = "\n".join(printed)
+    assert code == 2, text
+    for nproc in (1, 2):
+        (stock,) = [json.loads(line) for line in (tmp_path / f"ranks{nproc}.jsonl").open()]
+        assert stock["loss_reduction"] is None and stock["num_sequences"] == 4, (nproc, stock)
+        for rank in range(nproc):
+            output = (tmp_path / f"ranks{nproc}.rank{rank}.log").read_text()
+            lines = re.findall(r"ValueError: (megatron_lossfix: .*)", output)
+            assert len(lines) == 1 and "core_v0.19.0" in lines[0], (nproc, rank, output[-3000:])
+            assert "layout-dependent subset of this step's 5 rows" in lines[0], lines[0]
+    assert "refused: megatron_lossfix: --loss-reduction: " in text, text
+
+
+# ------------------------------------------------------------------ tensor and pipeline parallel
+#: Model-parallel layouts of the RL step, each against one rank: name -> (ranks, flags).
+MP_LAYOUTS = {
+    "TP2": (2, ["--tensor-model-parallel-size", "2"]),
+    "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "TP2 x DP2": (4, ["--tensor-model-parallel-size", "2"]),
+}
+#: The modes of those launches: one per count the weights use (tokens, sequences, groups);
+#: ``sum`` and ``seq_mean_token_sum_norm`` are these counts times constants.
+MP_MODES = ("token_mean", "sequence_mean", "group_mean")
+#: Their steps: (set, sequence packing, sequences per bin), each under stock Megatron-LM and
+#: every mode of MP_MODES, in an order whose micro-batch count never decreases.
+MP_STEPS = (("prefix_chain", False, None), ("multi", False, None), ("single", False, None),
+            ("packed", True, 2))  # fmt: skip
+#: Where the model-parallel launches run: on main only when MEGATRON_LM_TAGS asks for it (one
+#: release keeps the suite's time down).
+MP_TAGS = [t for t in TAGS if t != "main" or __import__("os").environ.get("MEGATRON_LM_TAGS")]
+#: The launch that starts PP2 from its own random weights (Megatron-LM seeds stage p with
+#: seed + 100 p): the reproduction of what makes PP2 differ without a shared checkpoint.
+PP2_SEEDED = "PP2, own initial weights"
+#: Its iterations: the multi-turn set (else the first of the release), stock and token_mean.
+SEEDED_SET = "multi"
+
+
+def _mp_steps(tree: Path) -> list[tuple]:
+    """(set, packing, per_bin, mode) of each iteration of the model-parallel launches."""
+    pads_rows = _pads_rows(tree)
+    return [(name, packing, per_bin, mode) for name, packing, per_bin in MP_STEPS
+            if pads_rows or name not in PADDED_SETS for mode in (None, *MP_MODES)]  # fmt: skip
+
+
+def _seeded(steps: list[tuple]) -> list[int]:
+    """The indices in ``steps`` of the iterations of the PP2 launch from its own weights."""
+    name = SEEDED_SET if any(step[0] == SEEDED_SET for step in steps) else steps[0][0]
+    return [
+        i for i, step in enumerate(steps) if step[0] == name and step[3] in (None, "token_mean")
+    ]
+
+
+class _LayoutRuns:
+    """Per tag: one rank (which saves its initial weights), then TP2, PP2 and TP2 x DP2 started
+    from them, and PP2 from its own random weights; all with ``--calculate-per-token-loss``
+    (what Megatron-LM's RL examples use). The tests read their records."""
+
+    def __init__(self, root: Path, trees: _RLRuns) -> None:
+        self.root = root
+        self.trees = trees  # the patched checkouts (and so the zygotes) of the DP launches
+        self.runs: dict[str, tuple[list[tuple], dict]] = {}
+
+    def get(self, tag: str) -> tuple[list[tuple], dict]:
+        """(steps, {layout: records}) of ``tag``; layout ``"1"`` is the one-rank run."""
+        if tag not in self.runs:
+            from helpers.megatron_lm_rl import (
+                read_records,
+                rl_args,
+                rl_launch,
+                rollout_sets,
+                write_plan,
+            )
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+
+            tree = self.trees.tree(tag)
+            eod = checkout_null_tokenizer_eod(tree)
+            steps = _mp_steps(tree)
+            plan = _plan(steps, rollout_sets(eod))
+            initial = self.root / f"{tag}-initial"
+            # TP2 pads the vocabulary to a multiple of 2 x this: the same size as one rank's.
+            vocab = ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]
+            load = ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
+            layouts = {"1": (1, ["--save", str(initial), "--save-interval", str(len(steps))]),
+                       **{name: (n, flags + load) for name, (n, flags) in MP_LAYOUTS.items()},
+                       PP2_SEEDED: (2, MP_LAYOUTS["PP2"][1])}  # fmt: skip
+            records = {}
+            # The one-rank run first: at learning rate 0 it saves its initial weights.
+            for wave in (["1"], [name for name in layouts if name != "1"]):
+                launches, outs = [], []
+                for name in wave:
+                    nproc, flags = layouts[name]
+                    out = self.root / f"{tag}-{len(records) + len(outs)}.jsonl"
+                    iterations = [plan[i] for i in _seeded(steps)] if name == PP2_SEEDED else plan
+                    path = write_plan(out.with_suffix(".plan.json"), tree, iterations, out=out)
+                    args = rl_args(train_iters=len(iterations), per_token=True) + vocab + flags
+                    launches.append(rl_launch(tree, path, args, nproc))
+                    outs.append(out)
+                results = run_pretrain_gpts(launches, timeout=3000)
+                for name, out, result in zip(wave, outs, results, strict=True):
+                    assert result.returncode == 0, (name, result.output[-6000:])
+                    records[name] = read_records(out)
+                    want = len(_seeded(steps)) if name == PP2_SEEDED else len(steps)
+                    assert len(records[name]) == want, (name, result.output[-6000:])
+            self.runs[tag] = (steps, records)
+        return self.runs[tag]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory, rl_runs: _RLRuns) -> _LayoutRuns:
+    return _LayoutRuns(tmp_path_factory.mktemp("megatron-lm-rl-layouts"), rl_runs)
+
+
+def _real_rows(weights: torch.Tensor) -> list[tuple]:
+    """The rows (or packed bins) of a step's weights that hold a loss token, in a canonical
+    order (data-parallel ranks split the rows and add padding rows and empty bins)."""
+    return sorted(map(tuple, weights[weights.ne(0).any(dim=1)].tolist()))
+
+
+def _loss_diff(a: float, b: float) -> float:
+    """How far apart two step losses are: relative to ``max(|a|, 1)``. The modes' losses are
+    means (weights summing to 1) of per-token losses of order 1 whose terms largely cancel
+    (advantages of both signs): relative to a loss near 0, float32 rounding looks large."""
+    return abs(a - b) / max(abs(a), 1.0)
+
+
+def _norm_diff(a: dict, b: dict) -> float:
+    return abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", MP_TAGS or ["none"])
+def test_train_rl_tensor_and_pipeline_parallel(
+    layout_runs: _LayoutRuns, tag: str, report_figure
+) -> None:
+    """TP2, PP2 and TP2 x DP2 against one rank, every layout started from the same weights
+    (one rank's initial ones, through a checkpoint), with ``--calculate-per-token-loss``, on
+    every rollout set: each starts from exactly one rank's parameters; under each of MP_MODES
+    the plugin's weights of every real row or bin and its counts are exactly one rank's,
+    and the loss (:func:`_loss_diff`), the grad norm and the full gradient agree to 1e-6.
+    Stock Megatron-LM agrees too where nothing is padded (TP2, PP2); under TP2 x DP2 its
+    gradient is one rank's times tokens / (tokens + padding rows or empty bins)."""
+    steps, records = layout_runs.get(tag)
+    one = records["1"]
+    report_figure(f"Megatron-LM RL {tag}, per-token, against 1 rank: | layout | stock grad "
+                  "norm | stock gradient | plugin grad norm | plugin gradient |")  # fmt: skip
+    for layout in MP_LAYOUTS:
+        worst = {"stock": [0.0, 0.0], "plugin": [0.0, 0.0]}
+        for i, (name, packing, _, mode) in enumerate(steps):
+            a, b = one[i], records[layout][i]
+            assert b["grad_names"] == a["grad_names"], (layout, i)
+            assert torch.equal(b["param"], a["param"]), (layout, i)  # the same model
+            cell = worst["stock" if mode is None else "plugin"]
+            cell[:] = max(cell[0], _norm_diff(a, b)), max(cell[1], _rel(a["grad"], b["grad"]))
+            if mode is None:
+                _, padding, tokens = _padding(tag, name, packing) if "DP2" in layout else (0, 0, 1)
+                factor = tokens / (tokens + padding)
+                assert _rel(factor * a["grad"], b["grad"]) <= REL, (layout, name, factor)
+                continue
+            assert _real_rows(b["weights"]) == _real_rows(a["weights"]), (layout, name, mode)
+            for count in ("lossfix_num_tokens", "lossfix_num_sequences"):
+                assert b[count] == a[count], (layout, name, mode, count)
+            for loss in ("lossfix_loss", "lm_loss"):
+                assert _loss_diff(a[loss], b[loss]) <= REL, (layout, name, mode, loss)
+            assert _norm_diff(a, b) <= REL and _rel(a["grad"], b["grad"]) <= REL, (layout, mode)
+        cells = " | ".join(f"{v:.1e}" for key in ("stock", "plugin") for v in worst[key])
+        report_figure(f"Megatron-LM RL {tag}, per-token, against 1 rank: | {layout} | {cells} |")
+    seeded = records[PP2_SEEDED]
+    cells = [
+        max(
+            f(one[i], b)
+            for i, b in zip(_seeded(steps), seeded, strict=True)
+            if (steps[i][3] is None) == s
+        )
+        for s in (True, False)
+        for f in (_norm_diff, lambda a, b: _rel(a["grad"], b["grad"]))
+    ]
+    report_figure(f"Megatron-LM RL {tag}, per-token, against 1 rank: | {PP2_SEEDED} | "
+                  + " | ".join(f"{v:.1e}" for v in cells) + " |")  # fmt: skip
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", MP_TAGS or ["none"])
+def test_train_rl_pp2_differs_by_its_initial_weights_alone(
+    layout_runs: _LayoutRuns, tag: str
+) -> None:
+    """What makes PP2 from its own random weights differ from one rank: Megatron-LM seeds
+    pipeline stage p with ``--seed`` + 100 p, so the second stage's layers start from other
+    random matrices (the first stage's parameters, the norms and the biases are one rank's).
+    The step itself is not the cause: the plugin's weights and counts of every row are still
+    exactly one rank's; the gradient, which the grad norm hides (about 1e-3 apart), is
+    another."""
+    steps, records = layout_runs.get(tag)
+    stages = records[PP2_SEEDED][0]["stage_files"]
+    assert len(stages) == 2
+    stage_names = [set(torch.load(path)["param"]) for path in stages]
+    first = torch.load(records["1"][0]["stage_files"][0])["param"]  # one rank: one stage, all of it
+    second_stage = {**torch.load(stages[0])["param"], **torch.load(stages[1])["param"]}
+    moved = {name for name in first if not torch.equal(first[name], second_stage[name])}
+    assert moved and all(name in stage_names[1] for name in moved), moved
+    assert all(re.search(r"layers\.1\..*weight$", name) for name in moved), moved
+    for i, b in zip(_seeded(steps), records[PP2_SEEDED], strict=True):
+        a = records["1"][i]
+        assert _rel(a["grad"], b["grad"]) > 0.1, i
+        if steps[i][3] is not None:
+            assert _real_rows(b["weights"]) == _real_rows(a["weights"]), i
+            for count in ("lossfix_num_tokens", "lossfix_num_sequences"):
+                assert b[count] == a[count], (i, count)

@@ -70,9 +70,9 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "tag's tree where MEGATRON_LM_ARCHIVES is set",
     ),
     (
-        "tests/helpers/megatron_lm_rl.py",
+        "-m megatron_lossfix rl-replay",
         "needs Megatron-LM sources: tests/test_megatron_lm_rl.py runs train_rl.py through this "
-        "helper and its plans where MEGATRON_LM_ARCHIVES is set",
+        "replay and its plans where MEGATRON_LM_ARCHIVES is set",
     ),
     (
         "-p helpers.upstream_schedules",
@@ -282,7 +282,9 @@ def test_what_the_pages_create_is_ignored():
     """Outputs named on a command line of the pages go under out/, and git ignores every
     virtualenv, output and audit folder the pages' commands create (a clone stays clean)."""
     for cmd in COMMANDS:
-        for path in re.findall(r"--(?:metrics-out|out)\s+(\S+)", cmd):
+        written = re.findall(r"--(?:[\w-]+-)?out\s+(\S+)", cmd)  # --out, --lossfix-metrics-out, ...
+        written += re.findall(r"write-plan\s+(\S+)|LOSSFIX_RL_PLAN=(\S+)", cmd)
+        for path in filter(None, (w if isinstance(w, str) else "".join(w) for w in written)):
             assert path.startswith("out/"), f"{cmd}: writes {path} outside out/"
     created = _created_by_the_pages()
     assert {".venv/bin/python", ".venv312/bin/python", "audit-out/audit.json"} <= set(created)

@@ -12,6 +12,13 @@ rows concatenated in rank order, ``packing_info.bin_seq_indices``).
 :func:`install` wraps ``prepare_data_for_update`` so that it records, for the iterator it
 returns, each row's group (:class:`RowGroups`); the iterator and its items are unchanged.
 :func:`micro_batch_groups` reads a micro-batch's group ids from that record.
+
+Up to core_v0.18 the step does not read every row once: it splits the rollouts over the DP
+ranks, expands them into rows there, and sizes the step by the number of *rollouts* (one
+micro-batch per rollout, over the DP ranks). With multi-turn rollouts (or a number of rollouts
+that the DP ranks do not divide), each rank's loader then drops its last rows, or reads its
+first ones again, and which rows depends on the layout. Under ``--loss-reduction`` the wrapper
+refuses such a collection before its step, on every rank (:func:`unread_rows`).
 """
 
 from __future__ import annotations
@@ -23,7 +30,15 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RowGroups", "install", "micro_batch_groups", "row_groups", "step_groups"]
+__all__ = [
+    "RowGroups",
+    "install",
+    "micro_batch_groups",
+    "row_groups",
+    "same_rows",
+    "step_groups",
+    "unread_rows",
+]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -93,6 +108,58 @@ def step_groups(iterator: Any) -> RowGroups | None:
         return None
 
 
+def same_rows(reader: Any, iterator: Any) -> Any:
+    """Let ``reader`` (a wrapper of ``iterator`` that yields its items) carry ``iterator``'s
+    record; returns ``reader``."""
+    record = step_groups(iterator)
+    if record is not None:
+        _RECORDS[reader] = record
+    return reader
+
+
+def unread_rows(
+    grouped: Sequence[Sequence[Any]], *, data_parallel_size: int, sequence_packing: bool
+) -> str | None:
+    """Why a step of a Megatron-LM that does not pad rows (before core_v0.19) would not read
+    each of these rollouts' rows exactly once, in one line; None when it would.
+
+    There the rollouts are split over the DP ranks in contiguous slices of
+    ``len(rollouts) // DP`` (the rest is dropped), then expanded into rows (one per turn).
+    Unpacked, the step reads ``len(rollouts) // DP`` rows on each rank (its number of
+    micro-batches counts rollouts, not rows), cycling over its own. Packed, the ranks' rows are
+    gathered for the bins as equal-sized blocks: the ranks must hold as many rows each."""
+    rollouts = [r for group in grouped for r in group]
+    size = max(data_parallel_size, 1)
+    fix = "use core_v0.19.0 or later, which pads the rows"
+    if len(rollouts) % size:
+        return (
+            f"the {len(rollouts)} rollouts of this step do not divide among {size} DP ranks: "
+            f"Megatron-LM before core_v0.19.0 drops the last {len(rollouts) % size}; {fix}"
+        )
+    split = len(rollouts) // size
+    held = [sum(len(r.trajectory) for r in rollouts[k * split : (k + 1) * split])
+            for k in range(size)]  # fmt: skip
+    if sequence_packing:
+        if len(set(held)) == 1:
+            return None
+        return (
+            f"Megatron-LM before core_v0.19.0 packs equal numbers of rows from each DP rank, "
+            f"but its {size} DP ranks hold {', '.join(map(str, held))} of this step's "
+            f"{sum(held)} rows ({len(rollouts)} rollouts, not all of one turn); {fix}"
+        )
+    if all(rows == split for rows in held):
+        return None
+    if size == 1:
+        held_read = f"its one rank holds {held[0]} rows and reads {split}"
+    else:
+        held_read = f"its {size} DP ranks hold {', '.join(map(str, held))} and read {split} each"
+    return (
+        f"Megatron-LM before core_v0.19.0 trains a layout-dependent subset of this step's "
+        f"{sum(held)} rows ({len(rollouts)} rollouts, not all of one turn): {held_read} (the "
+        f"step counts rollouts, not rows); {fix}"
+    )
+
+
 def install(rl_utils: Any) -> None:
     """Wrap ``rl_utils.prepare_data_for_update`` (once) to record each row's group."""
     original = rl_utils.prepare_data_for_update
@@ -100,20 +167,32 @@ def install(rl_utils: Any) -> None:
         return
     signature = inspect.signature(original)
 
+    pads_rows = hasattr(rl_utils, "PAD_ROW") or hasattr(rl_utils, "PAD_TURN_UNIT")
+
     @functools.wraps(original)
     def prepare_data_for_update(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
         from megatron.core import mpu
         from megatron.training import get_args
 
-        grouped = signature.bind(*args, **kwargs).arguments["rollouts"]
+        bound = signature.bind(*args, **kwargs).arguments
+        grouped = bound["rollouts"]
+        if not pads_rows and getattr(get_args(), "loss_reduction", None) is not None:
+            # Every rank checks the same rollouts (the same list on every rank): each refuses.
+            reason = unread_rows(
+                grouped,
+                data_parallel_size=mpu.get_data_parallel_world_size(),
+                sequence_packing=bool(bound.get("sequence_packing", False)),
+            )
+            if reason is not None:
+                raise ValueError(f"megatron_lossfix: --loss-reduction: {reason}")
+        result = original(*args, **kwargs)
         iterator = result[0] if isinstance(result, tuple) else result
         _RECORDS[iterator] = row_groups(
             grouped,
             data_parallel_size=mpu.get_data_parallel_world_size(),
             data_parallel_rank=mpu.get_data_parallel_rank(),
             micro_batch_size=get_args().micro_batch_size,
-            pads_rows=hasattr(rl_utils, "PAD_ROW") or hasattr(rl_utils, "PAD_TURN_UNIT"),
+            pads_rows=pads_rows,
             collapsible=getattr(rl_utils, "_is_collapsible_rollout", None),
         )
         return result

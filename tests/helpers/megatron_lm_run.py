@@ -291,8 +291,8 @@ class Launch:
     nproc: int = 1
     metrics_out: str | os.PathLike | None = None
     script: str | os.PathLike = "pretrain_gpt.py"
-    """The script to run: a path in the checkout, or an absolute path (a test helper that runs
-    one of the checkout's scripts, e.g. ``helpers/megatron_lm_rl.py``)."""
+    """The script to run: a path in the checkout, an absolute path, or (``module``) a module
+    that runs one of the checkout's scripts (the package's ``megatron_lm_rl_replay``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Added to :func:`megatron_lm_env`."""
     #: Launch with torchrun, as users do, rather than forked from the tree's zygote
@@ -301,6 +301,8 @@ class Launch:
     #: What the zygote imports once, from the tree: by default the script's own module when it
     #: lies in the tree; with none (a helper outside it, by default), torchrun launches it.
     preload: Sequence[str] | None = None
+    #: ``script`` names a module (run as ``python -m`` runs it, from the tree).
+    module: bool = False
 
 
 def run_pretrain_gpt(
@@ -329,12 +331,14 @@ def run_pretrain_gpts(launches: Sequence[Launch], *, timeout: float = 900) -> li
         if launch.metrics_out is not None:
             args += ["--lossfix-metrics-out", str(launch.metrics_out)]
         tree = Path(launch.megatron_lm_path).resolve()
-        script = tree / launch.script
+        script = launch.script if launch.module else tree / launch.script
         preload = launch.preload
         if preload is None:  # a script of the tree is preloaded from it
-            preload = [script.stem] if script.resolve().is_relative_to(tree) else []
+            in_tree = not launch.module and Path(script).resolve().is_relative_to(tree)
+            preload = [Path(script).stem] if in_tree else []
         jobs.append(Job(script=script, args=args, nproc=launch.nproc, cwd=tree,
                         env=megatron_lm_env(tree) | launch.env, preload=list(preload),
+                        module=launch.module,
                         torchrun=launch.torchrun or not preload))  # fmt: skip
     results = []
     done = launch_side_by_side(jobs, timeout=timeout)
