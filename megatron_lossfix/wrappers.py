@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,38 @@ class Wrapper:
     """How Megatron-LM selects it."""
     refusal: str | None = None
     """Why the plugin refuses it; None: proven exact by the gradient oracle."""
+    unproven: Callable[[Any], str | None] | None = None
+    """Why this chunk's settings at the installed release are not proven (None: they are)."""
+
+
+#: Megatron-FSDP's sharding strategies and the megatron-core series (major, minor) at which the
+#: gradient oracle proved each exact (tests/test_hard_layouts.py::test_data_parallel_wrappers).
+#: ``no_shard`` misses at 0.16.1 and 0.17.1 by a relative L2 of about 1, stock Megatron alike.
+MEGATRON_FSDP_PROVEN: dict[str, frozenset[tuple[int, int]]] = {
+    "no_shard": frozenset({(0, 18), (0, 19)}),
+    "optim": frozenset({(0, 16), (0, 17), (0, 18), (0, 19)}),
+    "optim_grads": frozenset({(0, 16), (0, 17), (0, 18), (0, 19)}),
+    "optim_grads_params": frozenset({(0, 16), (0, 17), (0, 18), (0, 19)}),
+}
+
+
+def _megatron_fsdp_unproven(chunk: Any) -> str | None:
+    from megatron_lossfix.megatron_compat import megatron_core_version
+
+    config = getattr(chunk, "ddp_config", None)
+    strategy = getattr(config, "data_parallel_sharding_strategy", None)
+    version = megatron_core_version()
+    if version.release[:2] in MEGATRON_FSDP_PROVEN.get(strategy, ()):
+        return None
+    proven = sorted(
+        s for s, series in MEGATRON_FSDP_PROVEN.items() if version.release[:2] in series
+    )
+    instead = f"--data-parallel-sharding-strategy {proven[-1]}, or " if proven else ""
+    return (
+        f"Megatron-FSDP with data_parallel_sharding_strategy={strategy!r} is not proven exact "
+        f"at megatron-core {version}; use {instead}Megatron DDP (--use-distributed-optimizer "
+        "works)"
+    )
 
 
 #: Every data-parallel wrapper of megatron-core 0.16-0.19 (Megatron-FSDP v2 is on Megatron-LM's
@@ -52,6 +85,7 @@ WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper(
         "megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel",
         "--use-megatron-fsdp",
+        unproven=_megatron_fsdp_unproven,
     ),
     Wrapper(
         "megatron.core.distributed.torch_fully_sharded_data_parallel.TorchFullyShardedDataParallel",
@@ -111,6 +145,8 @@ def wrapper_problem(chunks: list) -> str | None:
             )
         if entry.refusal is not None:
             return f"{entry.refusal}; {INSTEAD}"
+        if entry.unproven is not None and (problem := entry.unproven(chunk)) is not None:
+            return problem
     return None
 
 

@@ -67,3 +67,19 @@ def wrapped_step(kind: str, num_microbatches: int = 2) -> tuple[str, str, bool]:
     finally:
         tiny_gpt.build_tiny_gpt = original
     return outcome, message, not wrappers.unseen(built)
+
+
+def measured_layout_grads(*args: Any) -> Any:
+    """``oracle.layout_grads`` with every Megatron-FSDP strategy taken as proven at the
+    installed release: what the wrapper gives, to hold against ``MEGATRON_FSDP_PROVEN``."""
+    from megatron_lossfix import wrappers
+    from megatron_lossfix.audit.oracle import layout_grads
+    from megatron_lossfix.megatron_compat import megatron_core_version
+
+    release = megatron_core_version().release[:2]
+    saved = dict(wrappers.MEGATRON_FSDP_PROVEN)
+    wrappers.MEGATRON_FSDP_PROVEN.update({s: v | {release} for s, v in saved.items()})
+    try:
+        return layout_grads(*args)
+    finally:
+        wrappers.MEGATRON_FSDP_PROVEN.update(saved)
