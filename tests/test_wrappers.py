@@ -9,6 +9,8 @@ DDP is seen to scale. (The oracle's exactness rows per wrapper: ``test_hard_layo
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers.wrappers import wrapped_step
@@ -81,7 +83,10 @@ def test_the_proven_wrappers_pass():
     assert known_wrapper(fsdp).refusal is None
     assert "no-op" in wrapper_problem([fsdp])
     fsdp.scale_gradients = torch.nn.Linear(1, 1).forward
+    fsdp.ddp_config = types.SimpleNamespace(data_parallel_sharding_strategy="optim_grads_params")
     assert wrapper_problem([fsdp]) is None
+    fsdp.ddp_config.data_parallel_sharding_strategy = "unknown"
+    assert "strategy='unknown' is not proven exact" in wrapper_problem([fsdp])
 
 
 @pytest.mark.unit
