@@ -58,6 +58,7 @@ class Problem(enum.Enum):
     LOSS_FUNC = "the loss function failed or returned what the plugin cannot use"
     MTP = "the multi-token prediction loss could not be normalized"
     UNREDUCED = "the model's gradients are not reduced across data-parallel ranks"
+    WRAPPER = "the model's data-parallel wrapper is not one the plugin has proven"
     KEPT_MASK = "a mask decided in the loss (kept_weights) is malformed"
     GROUP_IDS = "a micro-batch's group or trajectory ids are missing, malformed or out of range"
 

@@ -5,8 +5,9 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
 * Averaging (docs/design.md §1): :func:`undo_averaging`, the factor that undoes it for the main
   loss and for MTP (pinned per release by ``tests/test_megatron_averaging.py``);
   :func:`unreduced_gradients`, the structure that must reduce a step's gradients across
-  data-parallel ranks; :func:`scale_gradients`, a scale of the step's gradients after the
-  schedule, and :func:`gradient_side_paths`, the terms such a scale would also rescale.
+  data-parallel ranks; :func:`gradient_side_paths`, the terms a scale of the step's gradients
+  after the schedule would also rescale. Which data-parallel wrappers the step relies on, and
+  their ``scale_gradients``: ``megatron_lossfix.wrappers``.
 * ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
   ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
@@ -147,7 +148,7 @@ def unreduced_gradients(chunks: list, model_config: Any, groups: StepGroups) -> 
         kinds = sorted({type(chunk).__name__ for chunk in chunks})
         fixes.append(
             f"wrap the model (here {', '.join(kinds)}) in "
-            "megatron.core.distributed.DistributedDataParallel (or FullyShardedDataParallel)"
+            "megatron.core.distributed.DistributedDataParallel (or Megatron-FSDP)"
         )
     if getattr(model_config, "finalize_model_grads_func", None) is None:
         fixes.append(
@@ -181,24 +182,6 @@ def gradient_side_paths(model_config: Any) -> list[str]:
     ):
         paths.append("the attention variant's auxiliary loss")
     return paths
-
-
-def scale_gradients(chunks: list, factor: float) -> None:
-    """Multiply the step's gradients by ``factor`` after Megatron's schedule, as
-    ``finalize_model_grads`` does on the per-token path: through DDP/FSDP's
-    ``scale_gradients`` (its gradient buffers), else each parameter's ``main_grad`` or
-    ``grad``."""
-    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-
-    for chunk in chunks:
-        if isinstance(chunk, _BaseDataParallel):
-            chunk.scale_gradients(factor)
-            continue
-        for param in chunk.parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if grad is not None:
-                grad.mul_(factor)
 
 
 def slice_batch_for_cp(batch: Mapping[str, Any], cp_group: dist.ProcessGroup) -> dict:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import megatron_lossfix.group_ids as group_ids
 import megatron_lossfix.megatron_compat as megatron_compat
 import megatron_lossfix.reduction as reduction
+import megatron_lossfix.wrappers as wrappers
 from megatron_lossfix.agreement import (
     REFUSAL_PREFIX,
     Agreement,
@@ -656,7 +657,21 @@ def _after_schedule(record: StepRecord, chunks: list, forward_only: bool) -> Non
             record.config.reduction, record.per_token, counts
         )
         if grad_scale != 1.0 and not forward_only:
-            megatron_compat.scale_gradients(chunks, grad_scale)
+            _scale_gradients(record, chunks, grad_scale)
+
+
+def _scale_gradients(record: StepRecord, chunks: list, factor: float) -> None:
+    """The deferred scale, through the wrappers' ``scale_gradients``; until every rank has seen
+    it change the gradient, each checks a sample and the worst verdict is every rank's."""
+    check = wrappers.unseen(chunks)
+    verdict = wrappers.scale_gradients(chunks, factor)
+    if not check:
+        return
+    tp = megatron_compat.model_parallel_groups(record.pg_collection).tp
+    groups = [record.groups.dp_cp, record.groups.pp, tp]
+    problem = wrappers.agree_scale_seen(chunks, verdict, groups)
+    if problem is not None:
+        raise StepRefused(f"{REFUSAL_PREFIX}{problem}", Problem.WRAPPER)
 
 
 def _agree_kept(record: StepRecord, *, counted: bool) -> KeptCounts | None:
@@ -721,13 +736,17 @@ def _model_settings(config: LossFixConfig, chunk: Any) -> tuple[Any, Exception |
 
 
 def _structure_problem(chunks: list, record: StepRecord) -> StepRefused | None:
-    """The structural guard (``megatron_compat.unreduced_gradients``), asked at every step: a
-    few type checks and attribute reads, so no verdict is kept that could go stale."""
+    """The structural guards (``megatron_compat.unreduced_gradients``, then
+    ``wrappers.wrapper_problem``), asked at every step: a few type checks and attribute reads,
+    so no verdict is kept that could go stale."""
+    kind = Problem.UNREDUCED
     try:
         message = megatron_compat.unreduced_gradients(chunks, record.model_config, record.groups)
+        if message is None:
+            kind, message = Problem.WRAPPER, wrappers.wrapper_problem(chunks)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it
         message = f"checking the model's DP wrapping raised {type(exc).__name__}: {exc}"
-    return None if message is None else Problem.UNREDUCED.refusal(message)
+    return None if message is None else kind.refusal(message)
 
 
 def _read_batches(source: Any, num_microbatches: int) -> list:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.wrappers import measured_layout_grads
 
 from megatron_lossfix import REDUCTIONS
+from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.audit.matrix import check_layout
 from megatron_lossfix.audit.oracle import OracleCase, relative_error
 from megatron_lossfix.audit.tiny_gpt import Layout
@@ -181,3 +183,88 @@ def test_gradient_clipping_sees_the_normalized_gradient(dist_pool, layout, world
         assert err <= TOL, f"{mode}: weights after the clipped step differ: {err}"
     stock = checks["off"]["result"]
     assert stock["grad_norm"] != pytest.approx(checks["off"]["reference"]["grad_norm"], rel=1e-3)
+
+
+# ------------------------------------------------------------------------ data-parallel wrappers
+FSDP = "megatron_fsdp"
+WRAPPERS = {
+    "ddp-average-in-collective": {"average_in_collective": True},
+    "ddp-distopt-overlap-average-in-collective": {
+        "use_distributed_optimizer": True,
+        "overlap_grad_reduce": True,
+        "average_in_collective": True,
+        "bucket_size": 4096,
+    },
+    "megatron-fsdp-no-shard": {FSDP: "no_shard", "use_distributed_optimizer": True},
+    "megatron-fsdp-optim": {FSDP: "optim", "use_distributed_optimizer": True},
+    "megatron-fsdp-optim-grads": {FSDP: "optim_grads", "use_distributed_optimizer": True},
+    "megatron-fsdp-optim-grads-params": {
+        FSDP: "optim_grads_params",
+        "use_distributed_optimizer": True,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "wrapper, per_token",
+    [
+        *((w, False) for w in WRAPPERS),
+        # Megatron DDP refuses average_in_collective with calculate_per_token_loss itself.
+        *((w, True) for w in WRAPPERS if "average_in_collective" not in WRAPPERS[w]),
+    ],
+    ids=lambda v: {False: "mean", True: "per-token"}.get(v, v),
+)
+def test_data_parallel_wrappers(dist_pool, wrapper, per_token, report_figure):
+    """Megatron DDP's variants and Megatron-FSDP (docs/limits.md), DP2, on both of Megatron's
+    paths: each averages as the plugin undoes, and scales where Megatron divides by N."""
+    case = OracleCase(model_kwargs=WRAPPERS[wrapper], per_token=per_token)
+    checks = check_layout(dist_pool, case, Layout(), 2, 3, MODES, worker=measured_layout_grads)
+    worst = max(checks[m]["error"] for m in REDUCTIONS)
+    path = "per-token" if per_token else "mean"
+    report_figure(f"wrapper {wrapper} ({path}, dp2-m3): worst mode rel L2 {worst:.1e}")
+    if not _proven(wrapper):
+        assert worst > TOL, f"{wrapper} is exact here: add the release to MEGATRON_FSDP_PROVEN"
+        with pytest.raises(StepRefused, match="is not proven exact at megatron-core"):
+            check_layout(dist_pool, case, Layout(), 2, 3, ("token_mean",))
+        return
+    assert_exact(checks, wrapper)
+    stock = checks["off"]["error"]
+    assert stock <= TOL if per_token else stock > 1e-3, stock
+
+
+def _proven(wrapper: str) -> bool:
+    """Whether the plugin serves ``wrapper`` at the installed release (Megatron DDP: always)."""
+    from megatron_lossfix.megatron_compat import megatron_core_version
+    from megatron_lossfix.wrappers import MEGATRON_FSDP_PROVEN
+
+    strategy = WRAPPERS[wrapper].get(FSDP)
+    release = megatron_core_version().release[:2]
+    return strategy is None or release in MEGATRON_FSDP_PROVEN[strategy]
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        "ddp-distopt-overlap-average-in-collective",
+        "megatron-fsdp-no-shard",
+        "megatron-fsdp-optim-grads-params",
+    ],
+)
+def test_wrappers_scale_the_deferred_gradient(dist_pool, wrapper, report_figure):
+    """A mask decided in the loss: the step scales the gradient after the schedule through the
+    wrapper's scale_gradients (its buffers), exact under each."""
+    from megatron_lossfix.audit.options import MASKED_OBJECTIVE
+
+    case = OracleCase(
+        objective="ppo",
+        rl_kwargs=dict(MASKED_OBJECTIVE),
+        schedule_kwargs={"mask_in_loss": True},
+        model_kwargs=WRAPPERS[wrapper],
+    )
+    modes = ("token_mean", "sequence_mean")
+    if not _proven(wrapper):
+        pytest.skip(f"{wrapper} is refused at this release (test_data_parallel_wrappers)")
+    checks = check_layout(dist_pool, case, Layout(), 2, 3, modes)
+    worst = max(checks[m]["error"] for m in modes)
+    report_figure(f"wrapper {wrapper} (mask_in_loss, dp2-m3): worst mode rel L2 {worst:.1e}")
+    assert_exact(checks, wrapper, modes)

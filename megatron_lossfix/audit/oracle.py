@@ -301,6 +301,10 @@ def set_moe_aux_scale(config: Any, device: torch.device) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device))
 
 
+#: ``model_kwargs`` that choose the layout's data-parallel wrapper, not the model.
+WRAPPER_KWARGS = ("use_distributed_optimizer", "average_in_collective", "megatron_fsdp")
+
+
 def reference_grads(
     case: OracleCase, mode: str, plan: Sequence[Sequence[int]] | None = None
 ) -> dict[str, Any]:
@@ -323,7 +327,8 @@ def reference_grads(
 
     layout = Layout()
     init_layout(layout)
-    kwargs = {k: v for k, v in case.model_kwargs.items() if k != "use_distributed_optimizer"}
+    # The reference is plain Megatron DDP on one rank, whatever wrapper the layout runs.
+    kwargs = {k: v for k, v in case.model_kwargs.items() if k not in WRAPPER_KWARGS}
     chunks, config = build_tiny_gpt(
         layout, seq_len=case.seq_length, calculate_per_token_loss=False, **kwargs
     )

@@ -114,4 +114,22 @@ def set_deterministic_params(
             full = _full_value(seed, name, shape)
             if dim is not None:
                 full = full.chunk(info["size"], dim=dim)[info["rank"]]
-            param.copy_(full)
+            if hasattr(param, "to_local"):  # Megatron-FSDP's DTensor: global shape, local shard
+                param.to_local().copy_(_local_shard(param, full))
+            else:
+                param.copy_(full)
+        # Megatron-FSDP computes with its own copy of the weights, refreshed from these.
+        fsdp = getattr(chunk, "module", None)
+        if hasattr(fsdp, "install_optimized_model_weights"):
+            fsdp.install_optimized_model_weights()
+
+
+def _local_shard(param: Any, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` for a Megatron-FSDP DTensor (sharded unevenly or not)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        gather_and_compute_chunk_metadata,
+    )
+
+    meta = gather_and_compute_chunk_metadata(param)
+    index = tuple(slice(o, o + n) for o, n in zip(meta.offsets, meta.sizes, strict=True))
+    return full[index]

@@ -30,6 +30,7 @@ from megatron_lossfix.audit.training import (
     init_layout,
     transformer_config,
 )
+from megatron_lossfix.cpu_compat import is_cpu_mode
 
 __all__ = [
     "Layout",
@@ -80,6 +81,11 @@ class TinyGPT:
     """DDP buffers laid out for Megatron's distributed optimizer."""
     bucket_size: int | None = None
     """DDP bucket size in elements; None: Megatron's default."""
+    average_in_collective: bool = False
+    """DDP's ``average_in_collective`` (Megatron-LM's ``--ddp-average-in-collective``)."""
+    megatron_fsdp: str | None = None
+    """Megatron-FSDP (``--use-megatron-fsdp``) with this ``data_parallel_sharding_strategy``
+    instead of Megatron DDP; None: Megatron DDP."""
     model_hook: Callable[[torch.nn.Module], None] | None = None
     """Called on each bare chunk before the DDP wrap (e.g. to add adapters); picklable, since the
     pool's ranks receive it."""
@@ -143,14 +149,31 @@ class TinyGPT:
             share_embeddings_and_output_weights=self.tie_embeddings,
             position_embedding_type=self.position_embedding_type,
         )
+        fsdp: dict[str, Any] = {}
+        if self.megatron_fsdp is not None:
+            fsdp = dict(
+                use_megatron_fsdp=True,
+                data_parallel_sharding_strategy=self.megatron_fsdp,
+                # The fused pre-scaled sum is NCCL's (PREMUL_SUM); unfused it scales, then sums.
+                gradient_reduce_div_fusion=not is_cpu_mode(),
+            )
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=self.overlap_grad_reduce,
             use_distributed_optimizer=self.use_distributed_optimizer,
             bucket_size=self.bucket_size,
+            average_in_collective=self.average_in_collective,
             # Megatron-LM's default under --bf16 (--accumulate-allreduce-grads-in-fp32).
             grad_reduce_in_fp32=self.bf16,
+            **fsdp,
         )
-        chunks = build_model(provider, config, ddp_config, model_hook=self.model_hook)
+        wrapper = None
+        if self.megatron_fsdp is not None:
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+            wrapper = FullyShardedDataParallel
+        chunks = build_model(
+            provider, config, ddp_config, model_hook=self.model_hook, wrapper=wrapper
+        )
         return chunks, config
 
 
@@ -207,7 +230,7 @@ def gather_full_grads(model_chunks: list, rtol: float = 1e-5) -> dict[str, torch
                 grad = param.grad
             if grad is None:
                 grad = torch.zeros_like(param)
-            local.append((name, info, grad.detach().clone()))
+            local.append((name, info, _whole(grad).detach().clone()))
     return _gather_on_rank0(local, rtol)
 
 
@@ -215,11 +238,35 @@ def gather_full_grads(model_chunks: list, rtol: float = 1e-5) -> dict[str, torch
 def gather_full_params(model_chunks: list, rtol: float = 1e-6) -> dict[str, torch.Tensor] | None:
     """Full, unsharded parameters by canonical name, on global rank 0 (see `gather_full_grads`)."""
     local = [
-        (name, info, param.detach().clone())
+        (name, info, _whole(param).detach().clone())
         for chunk in model_chunks
         for name, param, info in canonical_params(chunk)
     ]
     return _gather_on_rank0(local, rtol)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A Megatron-FSDP DTensor (sharded unevenly or not) as the whole tensor (collective over its
+    data-parallel group); any other tensor as it is."""
+    if not hasattr(tensor, "to_local"):
+        return tensor
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        gather_and_compute_chunk_metadata,
+    )
+
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"a {mesh.ndim}-dimensional Megatron-FSDP mesh")
+    # Gathered as objects: gloo's all_gather needs equal shards, Megatron-FSDP's are uneven.
+    offsets = gather_and_compute_chunk_metadata(tensor).offsets
+    local = tensor.to_local().detach()
+    group = mesh.get_group()
+    pieces: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, (offsets, local.cpu()), group=group)
+    whole = torch.zeros(tuple(tensor.shape), dtype=local.dtype)
+    for start, piece in pieces:
+        whole[tuple(slice(o, o + n) for o, n in zip(start, piece.shape, strict=True))] = piece
+    return whole.to(local.device)
 
 
 def _gather_on_rank0(local: list, rtol: float) -> dict[str, torch.Tensor] | None:

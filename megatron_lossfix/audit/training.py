@@ -260,8 +260,10 @@ def build_model(
     ddp_config: Any,
     *,
     model_hook: Callable[[torch.nn.Module], None] | None = None,
+    wrapper: Callable[..., torch.nn.Module] | None = None,
 ) -> list:
-    """This rank's model chunks, one per virtual pipeline stage, wrapped in Megatron DDP.
+    """This rank's model chunks, one per virtual pipeline stage, wrapped in Megatron DDP (or
+    ``wrapper``, such as Megatron-FSDP's ``FullyShardedDataParallel``, with the same arguments).
 
     ``model_provider`` is called with this rank's ``pre_process``/``post_process``/``vp_stage``;
     ``model_hook`` sees each bare chunk before the wrap (e.g. LoRA adapters, which must exist
@@ -292,7 +294,9 @@ def build_model(
             model = Float16Module(config, model)
         # As Megatron-LM: only the first chunk's buffer is split into buckets.
         chunks.append(
-            DistributedDataParallel(config, ddp_config, model, disable_bucketing=vp_stage > 0)
+            (wrapper or DistributedDataParallel)(
+                config, ddp_config, model, disable_bucketing=vp_stage > 0
+            )
         )
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_grad_reduce:
