@@ -147,9 +147,9 @@ class LossFixConfig:
 
     self_check: bool | None = None
     """At the first training step, re-run its data split into other micro-batches and raise
-    ``SelfCheckError`` when the gradient changes (one or two extra passes and, with pipeline
-    parallelism, a forward-only one, once; no copy of the gradient): it catches a loss
-    function that returns a mean instead of the weighted sum. ``None`` (the default): on
+    ``SelfCheckError`` when the gradient changes (a forward-only pass and one or two extra
+    passes, once, no copy of the gradient): it catches a loss function that returns a mean
+    instead of the weighted sum. ``None`` (the default): on
     in every mode but ``off`` and ``token_mean_legacy``, skipped silently where the step
     cannot be re-split or an integration cannot run it; ``True``: on, and refused (or warned
     about) where it cannot run; ``False``: off (``--no-lossfix-self-check``)."""

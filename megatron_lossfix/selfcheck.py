@@ -23,11 +23,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
-from megatron_lossfix.megatron_compat import (
-    model_config_of,
-    model_parallel_groups,
-    resolve_groups,
-)
+from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step
 
@@ -74,10 +70,10 @@ class SelfCheck:
         return not self.checked and not kwargs.get("forward_only")
 
     def run(self, step: Step, call: dict, via: Callable[..., Any] | None = None) -> Any:
-        """Check the step ``call``: read its data (ahead, or in a forward-only pass), run it
-        re-split, then run it normally (training goes on from that last run); its result.
+        """Check the step ``call``: read its data forward-only, run it re-split, then run it
+        normally (training goes on from that last run); its result.
 
-        ``step``: the step, whose process groups the check uses; ``via``: what runs it (by default
+        ``step``: the step whose record names the groups; ``via``: what runs it (by default
         ``step`` itself), so that every run goes through the same plumbing.
         """
         self.checked = True
@@ -92,12 +88,12 @@ class SelfCheck:
         params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
         device = params[0].device if params else torch.device("cpu")
         unset, held = _entry_state(params, device)
-        # 1. What forward_step reads from each data iterator: the step's own reading ahead, or
-        # a forward-only pass (no gradient).
-        given = call.get("pg_collection")
-        pg_collection = step.pg_collection if given is None else given  # as the step's record
-        groups, shards = resolve_groups(pg_collection), model_parallel_groups(pg_collection)
-        reads = _read_ahead(step, call, via, groups, len(chunks)) or _reading_pass(run, call)
+        # 1. What forward_step reads from each data iterator, forward-only (no gradient).
+        reads = _reading_pass(run, call)
+        if step.last_step is None:
+            raise RuntimeError("the self-check's step left no record: it did not run the step")
+        groups = step.last_step.groups
+        shards = model_parallel_groups(step.last_step.pg_collection)
         # 2. The same data re-split; every rank learns whether any rank cannot, or holds
         # gradients from before the step, in one all-reduce over every rank of the model.
         plan = _plan(call, chunks, model_config, reads, groups, shards, device)
@@ -294,29 +290,6 @@ def _zero_grads(chunks: list, params: list, unset: list[bool]) -> None:
     for param, none in zip(params, unset, strict=True):
         if none and getattr(param, "main_grad", None) is None:
             param.grad = None
-
-
-def _read_ahead(
-    step: Step, call: dict, via: Any, groups: StepGroups, num_chunks: int
-) -> list[list] | None:
-    """The step's micro-batches (dicts copied), read here where the step itself reads them all
-    before its schedule: ``Step`` called directly on one model chunk without pipeline
-    parallelism (every rank is the loss stage, whose step reads its iterator first); else None.
-    Reading stops at the first error, which the step then meets itself."""
-    given = call["data_iterator"]
-    sources = given if isinstance(given, list) else [given]
-    if via is not None or not isinstance(step, Step) or num_chunks != 1 or len(sources) != 1:
-        return None
-    if sources[0] is None or groups.pp_size > 1:
-        return None
-    items: list = []
-    try:
-        for _ in range(call["num_microbatches"]):
-            item = next(sources[0])
-            items.append(dict(item) if isinstance(item, Mapping) else item)
-    except Exception:  # noqa: BLE001 - the step reads on and refuses on every rank
-        pass
-    return [items]
 
 
 def _reading_pass(run: Callable[..., Any], call: dict) -> list[list | None]:

@@ -144,7 +144,7 @@ def test_ppo_rollouts_stock_megatron_disagrees(runs, rollouts):
     micro-batch on one rank, off and token_mean are the same computation.)"""
     one, off = runs.get(
         ppo_reference(rollouts),
-        (2, [*common(rollouts), *PPO, "--micro-batch-size", "2"]),
+        (2, [*common(rollouts), *PPO, "--micro-batch-size", "2", "--loss-reduction", "off"]),
     )
     loss_diff = max_rel_diff(one, off, "loss")
     norm_diff = max_rel_diff(one, off, "grad_norm")
