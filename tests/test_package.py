@@ -167,6 +167,9 @@ def test_lint_checks_the_projects_own_files_only(tmp_path):
     the package is not checked; in this clone, every file ruff checks is the project's."""
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "pyproject.toml").write_text((repo / "pyproject.toml").read_text())
+    # A repository of its own: ruff honours the .gitignore of a repository above it, and pytest's
+    # temporary folder may lie in an ignored folder of a clone (under nox: .nox/).
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     for path in ("megatron_lossfix/ok.py", "Megatron-LM-core_v0.16.1/megatron/bad.py"):
         (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / "megatron_lossfix" / "ok.py").write_text("X = 1\n")
