@@ -333,6 +333,12 @@ def _step_counts(
 
     # One uncounted step first: anything lazily set up on a first step is not the plugin's.
     step("stock")
+    # The first deferred scale of a wrapper also checks, once, that the scale changed the
+    # gradient (one small all-reduce per group; tests/test_wrappers.py counts on it): warm it up
+    # too, so that the counts below are every step's.
+    for variant in ("token_mean+kept", "sequence_mean+kept"):
+        if variant in variants:
+            step(variant)
     counts, syncs = {}, {}
     for variant in variants:
         with count_collectives() as counter, count_host_syncs() as synced:
