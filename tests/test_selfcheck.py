@@ -472,3 +472,54 @@ def test_the_check_holds_no_copy_of_the_gradient(dist_pool):
         plain, checked, held, grads = res["peaks"]
         assert held < 0.25 * grads, f"rank {rank}: {held=} {grads=}"
         assert checked - plain < 0.25 * grads, f"rank {rank}: {plain=} {checked=} {grads=}"
+
+
+def _held_gradients_on_rank() -> dict:
+    """The check asked for on a step whose gradient buffer is not zero when it starts (a loop
+    that accumulates over schedule calls): what it warned, and how often the step read data."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.oracle_case import id_ranges
+    from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
+
+    init_layout(Layout())
+    chunks, config = build_tiny_gpt(Layout(), seq_len=16)
+    case, rank = OracleCase(), ps.get_data_parallel_rank()
+    sizes = microbatch_plan(case, ps.get_data_parallel_world_size(), 2)[rank]
+    batch = make_global_batch(case, config.vocab_size)
+    local = {k: v[rank * sum(sizes) : (rank + 1) * sum(sizes)] for k, v in batch.items()}
+    parts = {k: torch.split(v, sizes) for k, v in local.items()}
+    mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(2)]
+    chunks[0].zero_grad_buffer()
+    for param in chunks[0].parameters():
+        param.main_grad.fill_(1.0)
+    counter = [0]
+    schedule = LossFixSchedule(LossFixConfig(reduction="token_mean", self_check=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        schedule(
+            forward_step_func=partial(_forward_step, "plugin", counter, None),
+            data_iterator=iter(mbs),
+            model=chunks[0],
+            num_microbatches=2,
+            seq_length=16,
+            micro_batch_size=sizes[0],
+            forward_only=False,
+        )
+    return {
+        "warnings": [str(w.message) for w in seen if "self-check" in str(w.message)],
+        "calls": counter[0],
+        "error": schedule.self_check.last_error,
+    }
+
+
+@pytest.mark.oracle
+def test_gradients_held_before_the_step_are_not_checked(dist_pool):
+    """The check's runs start from zero: a step that starts with gradients in the buffer is
+    run once for training, as it is, on every rank (after the check's forward-only pass that
+    reads its data: 2 + 2 calls of forward_step), and the asked-for check says why it was
+    skipped."""
+    for rank, res in enumerate(dist_pool.run(_held_gradients_on_rank, 2)):
+        assert res["calls"] == 4 and res["error"] is None, f"rank {rank}: {res}"
+        assert any("not zero before the step" in w for w in res["warnings"]), res
