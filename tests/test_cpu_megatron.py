@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from megatron_lossfix.audit.pool import DistPool
 from megatron_lossfix.audit.tiny_gpt import (
     Layout,
     build_tiny_gpt,
@@ -215,3 +216,42 @@ def test_pool_workers_free_finished_moe_models(dist_pool):
         dist_pool.run(_moe_step, 2, Layout(dp=2))
     after = dist_pool.run(_threads, 2)
     assert after == before, f"worker threads {before} -> {after} after two MoE tasks"
+
+
+def _leave_a_failed_init_behind() -> None:
+    """On rank 1, the state an `init_process_group` that failed mid-handshake leaves: no group,
+    and torch's group counter one ahead of rank 0's."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        distributed_c10d._world.group_count = 1
+
+
+def _all_reduce_one() -> float:
+    import torch.distributed as dist
+
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    return one.item()
+
+
+def test_pool_recovers_from_a_failed_init_on_one_rank():
+    """A rank whose process group failed to start must not name its later groups apart from
+    its peers (each later task would wait under a store prefix nobody writes, and time out)."""
+    with DistPool(max_ranks=2, timeout_s=20) as pool:
+        pool.run(_leave_a_failed_init_behind, 2)
+        assert pool.run(_all_reduce_one, 2) == [2.0, 2.0]
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_pool_tasks_without_collectives_do_not_race_the_handshake(dist_pool):
+    """A task with no collective must not end, and close its rank's sockets, before every peer
+    has finished connecting to it ("Gloo connectFullMesh failed ... Connection closed by peer"
+    on the peer: about one run in 170 on 2 cores without the wait)."""
+    for _ in range(300):
+        dist_pool.run(_pid, 2)

@@ -161,6 +161,32 @@ def _teardown(threads_before: int | None) -> None:
         _release_stale_graphs()
 
 
+def _fresh_group_names() -> None:
+    """Number this task's process groups from 0 on every rank.
+
+    torch names the default group after a per-process counter that only destroying a group
+    resets. An `init_process_group` that failed on one rank (a peer gone mid-handshake) leaves
+    that rank's counter one ahead: its every later group then waits under a store prefix no
+    peer writes, and each task of that worker times out.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
+
+
+def _wait_for_peers(store: Any, slot: int, world_size: int) -> None:
+    """Return once every rank has its process group.
+
+    torch no longer waits after `init_process_group`: a rank whose task needs no collective
+    could finish and close its sockets while a peer is still completing gloo's handshake with
+    it, failing that peer ("Connection closed by peer").
+    """
+    store.set(f"lossfix-ready-{slot}", "1")
+    store.wait([f"lossfix-ready-{r}" for r in range(world_size)])
+
+
 def _backend(world_size: int, cuda: bool) -> str:
     import torch
 
@@ -195,6 +221,7 @@ def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
 
     world_size, store_path, payload = task
     threads_before = _thread_count()
+    _fresh_group_names()
     try:
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
@@ -205,6 +232,7 @@ def _run_task(slot: int, task: tuple, timeout_s: float, cuda: bool) -> bytes:
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        _wait_for_peers(store, slot, world_size)
         del store
         result = fn(*args, **kwargs)
         out: tuple = ("ok", _to_cpu(result) if cuda else result)
