@@ -35,6 +35,11 @@ from pathlib import Path
 from helpers.launch import Launch as Job
 from helpers.launch import launch_side_by_side
 from megatron_lossfix.integrations import patches
+from megatron_lossfix.integrations.megatron_lm_tiny_gpt import (
+    VOCAB_SIZE,
+    checkout_null_tokenizer_eod,
+    tiny_gpt_flags,
+)
 
 __all__ = [
     "Launch",
@@ -65,11 +70,6 @@ NEEDS_ARCHIVES = (
     "e.g. core_v0.19.0.tar.gz, each unpacking to Megatron-LM/)"
 )
 
-#: ``--vocab-size`` of the runs. NullTokenizer's EOD id is 256 up to Megatron-LM 0.17 and 255
-#: from 0.18 (:func:`checkout_null_tokenizer_eod`); documents draw their text from 0..254, which
-#: is never EOD in either.
-VOCAB_SIZE = 256
-
 
 def write_padded_dataset(
     prefix: str | os.PathLike,
@@ -95,6 +95,7 @@ def write_padded_dataset(
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     for _ in range(num_docs):
+        # Text ids 0..254: never EOD (256 up to Megatron-LM 0.17, 255 from 0.18).
         text = rng.integers(0, VOCAB_SIZE - 1, size=int(rng.integers(*text_len)))
         pad = np.full(int(rng.integers(*pad_len)), eod)
         builder.add_document(np.concatenate([text, pad]), [len(text) + len(pad)])
@@ -119,19 +120,9 @@ def tiny_gpt_args(
     of ``--make-vocab-size-divisible-by`` x TP, and the padding changes both the initial weights
     and the softmax, so the default (128) gives TP2 another model than TP1.
     """
-    args = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
-        "--micro-batch-size", str(micro_batch_size),
-        "--global-batch-size", str(global_batch_size),
-        "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE),
-        "--transformer-impl", "local", "--use-cpu-initialization",
-        "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-        "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-        "--no-rope-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-    ]  # fmt: skip
+    args = tiny_gpt_flags(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                          global_batch_size=global_batch_size, train_iters=train_iters,
+                          lr="1e-3")  # fmt: skip
     if eod is not None:
         args += ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]  # half the vocabulary
     if data_path is None:
@@ -235,26 +226,6 @@ def megatron_lm_env(megatron_lm_path: str | os.PathLike) -> dict[str, str]:
     # Megatron-LM's argument check demands it for tensor parallelism before Blackwell.
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
-
-
-def checkout_null_tokenizer_eod(megatron_lm_path: str | os.PathLike) -> int:
-    """NullTokenizer's EOD id for ``--vocab-size VOCAB_SIZE`` in this checkout's own code.
-
-    The installed megatron-core may be another release than the checkout (the id moved in
-    0.18); this loads the checkout's ``null_tokenizer.py`` by itself (it imports nothing from
-    Megatron), which costs nothing next to importing ``megatron.core``.
-    """
-    import importlib.util
-
-    source = Path(megatron_lm_path) / "megatron/core/tokenizers/text/libraries/null_tokenizer.py"
-    spec = importlib.util.spec_from_file_location("_lossfix_checkout_null_tokenizer", source)
-    if spec is None or not source.is_file():
-        raise FileNotFoundError(
-            f"{source} not found: is {megatron_lm_path} a Megatron-LM checkout?"
-        )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return int(module.NullTokenizer(VOCAB_SIZE).eod)
 
 
 _LOG_LINE = re.compile(
