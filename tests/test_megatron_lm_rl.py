@@ -236,10 +236,15 @@ PADDED_SETS = ("prefix_chain", "multi")
 LAUNCHES = ((1, False), (2, False), (1, True), (2, True))  # (ranks, --calculate-per-token-loss)
 
 
+def _pads_rows(tree: Path) -> bool:
+    """Whether this checkout's RL data path pads its rows to a multiple of the data-parallel
+    size (core_v0.19.0 and later)."""
+    return "pad_to_multiple" in (tree / "megatron/rl/rl_utils.py").read_text()
+
+
 def _steps(tree: Path) -> list[tuple]:
     """The steps this checkout runs: (set, packing, per_bin, mode), one per iteration."""
-    source = (tree / "megatron/rl/rl_utils.py").read_text()
-    pads_rows = "pad_to_multiple" in source
+    pads_rows = _pads_rows(tree)
     return [(name, packing, per_bin, mode) for name, packing, per_bin, modes in STEPS
             if pads_rows or name not in PADDED_SETS for mode in modes]  # fmt: skip
 
@@ -647,10 +652,6 @@ def test_the_rl_step_refuses_a_layout_dependent_subset_before_it_trains(
     megatron_lm_rl_groups.install(padded)
     call(padded)
     assert before.calls == padded.calls == [2]
-
-
-def _pads_rows(tree: Path) -> bool:
-    return "pad_to_multiple" in (tree / "megatron/rl/rl_utils.py").read_text()
 
 
 @pytest.mark.e2e
