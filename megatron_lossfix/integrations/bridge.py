@@ -36,12 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.integrations.megatron_lm import (
-    LOSS_KEY,
-    MasksToDevice,
-    MegatronLMLossFix,
-    record_numbers,
-)
+from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
+from megatron_lossfix.integrations.megatron_lm_batches import MasksToDevice
+from megatron_lossfix.integrations.megatron_lm_metrics import LOSS_KEY, record_numbers
 from megatron_lossfix.reduction import LossFixConfig
 
 __all__ = [

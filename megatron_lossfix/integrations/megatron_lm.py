@@ -15,6 +15,9 @@ The patch itself stays a handful of lines; the code lives here:
   ``[contribution, indicator]``: the contributions add up to the step's loss L (docs/design.md
   §2) and the indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged
   ``lm loss`` is L.
+- The loss stage's batches (masks to the device and to the tensor-parallel ranks, the
+  micro-batch ``forward_step`` read) are :mod:`.megatron_lm_batches`; ``--lossfix-metrics-out``'s
+  record of each step is :mod:`.megatron_lm_metrics` (both re-exported here).
 - :func:`enable_cpu_megatron_lm` (from :mod:`.cpu_megatron_lm`, re-exported for the patch) runs
   Megatron-LM's training loop on a machine without CUDA (gloo).
 
@@ -28,9 +31,8 @@ import argparse
 import dataclasses
 import functools
 import inspect
-import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +41,16 @@ import torch.distributed as dist
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.groups import StepGroups, group_size
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
+from megatron_lossfix.integrations.megatron_lm_batches import (
+    MasksToDevice,
+    ReceivedMasks,
+    Recording,
+)
+from megatron_lossfix.integrations.megatron_lm_metrics import (
+    LOSS_KEY,
+    record_numbers,
+    record_train_steps,
+)
 from megatron_lossfix.losses import weighted_loss
 from megatron_lossfix.megatron_compat import (
     model_parallel_groups,
@@ -53,25 +65,13 @@ __all__ = [
     "LOSS_KEY",
     "MasksToDevice",
     "MegatronLMLossFix",
+    "Recording",
     "add_args_provider",
     "enable_cpu_megatron_lm",
+    "record_numbers",
+    "record_train_steps",
     "wrap_forward_backward_func",
 ]
-
-#: The report key Megatron-LM's ``pretrain_gpt.py`` logs as ``lm loss``.
-LOSS_KEY = "lm loss"
-
-
-def record_numbers(metrics: dict, logged: float | None) -> dict:
-    """A metrics record's loss and counts: the plugin's; under ``off``, where the plugin sees
-    nothing of the step, the loss Megatron logged and no counts."""
-    return {
-        "loss": metrics.get("loss", logged),
-        "lm_loss": logged,
-        "num_tokens": int(metrics["num_tokens"]) if "num_tokens" in metrics else None,
-        "num_sequences": int(metrics["num_sequences"]) if "num_sequences" in metrics else None,
-    }
-
 
 #: The keyword our patch adds to ``pretrain_gpt.loss_func``.
 LOSS_KWARG = "lossfix"
@@ -106,82 +106,6 @@ def add_args_provider(
 
 
 # ---------------------------------------------------------------------------------- the step
-def _current_device() -> torch.device:
-    # Megatron-LM's data loader yields CPU tensors; collectives (NCCL) need them on the GPU.
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-class MasksToDevice:
-    """The loss stage's data iterator, with each batch's loss mask moved to the device (and, when
-    tensor parallelism is on, broadcast to the other TP ranks, which have no data iterator)."""
-
-    def __init__(self, source: Iterator, mask_key: str, tp_group: Any) -> None:
-        self._source = source
-        self._mask_key = mask_key
-        self._tp_group = tp_group
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self._source)
-        if not isinstance(batch, Mapping) or self._mask_key not in batch:
-            return batch  # LossFixSchedule names what is missing
-        mask = batch[self._mask_key].to(_current_device(), non_blocking=True)
-        if self._tp_group is not None:
-            src = dist.get_global_rank(self._tp_group, 0)
-            shape = torch.tensor(mask.shape, dtype=torch.int64, device=mask.device)
-            dist.broadcast(torch.tensor([mask.dim()], device=mask.device), src, self._tp_group)
-            dist.broadcast(shape, src, self._tp_group)
-            mask = mask.float().contiguous()
-            dist.broadcast(mask, src, self._tp_group)
-        return {**batch, self._mask_key: mask}
-
-
-class _ReceivedMasks:
-    """On tensor-parallel ranks other than 0 of the loss stage (Megatron-LM gives them no data
-    iterator): yields ``{mask_key: mask}`` received from TP rank 0, one per micro-batch."""
-
-    def __init__(self, mask_key: str, tp_group: Any) -> None:
-        self._mask_key = mask_key
-        self._tp_group = tp_group
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> dict:
-        device = _current_device()
-        src = dist.get_global_rank(self._tp_group, 0)
-        ndim = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(ndim, src, self._tp_group)
-        shape = torch.zeros(int(ndim), dtype=torch.int64, device=device)
-        dist.broadcast(shape, src, self._tp_group)
-        mask = torch.empty(*shape.tolist(), dtype=torch.float32, device=device)
-        dist.broadcast(mask, src, self._tp_group)
-        return {self._mask_key: mask}
-
-
-class Recording:
-    """Passes ``next()`` through and remembers the last item (the micro-batch forward_step
-    read, holding the weights the plugin attached). With ``item_key``, a dict item holding
-    that key is passed on as its value (the script's own item, which the plugin's micro-batch
-    dict carries: ``megatron_lm_rl``)."""
-
-    def __init__(self, source: Iterator, item_key: str | None = None) -> None:
-        self._source = source
-        self._item_key = item_key
-        self.last: Any = None
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self) -> Any:
-        self.last = next(self._source)
-        if self._item_key is not None and isinstance(self.last, Mapping):
-            return self.last.get(self._item_key, self.last)
-        return self.last
 
 
 def accepts_kwarg(func: Callable, name: str) -> bool:
@@ -306,7 +230,7 @@ class MegatronLMLossFix:
         received from TP rank 0."""
         key = self.config.loss_mask_key
         if tp_rank > 0:
-            return _ReceivedMasks(key, tp_group)
+            return ReceivedMasks(key, tp_group)
         return None if source is None else MasksToDevice(source, key, tp_group)
 
     def _wrap_forward_step(
@@ -467,43 +391,3 @@ def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
 
     get_forward_backward_func._lossfix_original = original
     training.get_forward_backward_func = get_forward_backward_func
-
-
-def record_train_steps(wrapper: MegatronLMLossFix) -> None:
-    """Make ``training.train_step`` append one JSON line per step to ``--lossfix-metrics-out``.
-
-    The log prints the grad norm with 3 decimals; comparisons across layouts need all of them.
-    ``train()`` looks ``train_step`` up at every iteration, so wrapping the module attribute
-    here (called from ``train()`` before its loop) takes effect for this run only.
-    """
-    from megatron.training import training
-
-    train_step = training.train_step
-    if getattr(train_step, "_lossfix_wrapped", False):
-        train_step = train_step.__wrapped__
-    last_rank = dist.get_rank() == dist.get_world_size() - 1
-    if last_rank:
-        open(wrapper.metrics_out, "w").close()
-
-    @functools.wraps(train_step)
-    def recorded_train_step(*args: Any, **kwargs: Any) -> tuple:
-        result = train_step(*args, **kwargs)
-        metrics = wrapper.last_metrics
-        if last_rank and metrics is not None:
-            loss_dict, grad_norm = result[0], result[5]
-            logged = loss_dict.get(LOSS_KEY) if isinstance(loss_dict, Mapping) else None
-            logged = None if logged is None else float(logged)
-            record = {
-                "iteration": int(kwargs.get("iteration", 0) or 0) + 1,
-                **record_numbers(metrics, logged),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "step_time_s": time.perf_counter() - wrapper._step_start,
-                "reduction": wrapper.config.reduction,
-            }
-            with open(wrapper.metrics_out, "a") as out:
-                out.write(json.dumps(record) + "\n")
-        wrapper.last_metrics = None
-        return result
-
-    recorded_train_step._lossfix_wrapped = True
-    training.train_step = recorded_train_step
