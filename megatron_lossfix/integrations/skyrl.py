@@ -252,10 +252,39 @@ def _exact_forward_step(
 
 
 class _LossFixWrapperMixin:
-    """The part of :class:`LossFixModelWrapper` that does not depend on SkyRL's import."""
+    """The part of :class:`LossFixModelWrapper` that does not depend on SkyRL's import: its
+    configuration, its construction from SkyRL's wrapper, and the exact step."""
 
     lossfix_config: LossFixConfig
     lossfix_schedule: LossFixSchedule
+
+    def __init__(self, *args: Any, lossfix: LossFixConfig | str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # SkyRL's MegatronModelWrapper
+        if lossfix is None:
+            lossfix = lossfix_config_for(self.cfg.algorithm)
+        if isinstance(lossfix, str):
+            lossfix = LossFixConfig(reduction=lossfix)
+        # SkyRL defers the gradients' data-parallel reduction to its optimizer step
+        # (run_pending_grad_sync), so right after a step they are not yet equal on every
+        # rank: the first-step check runs only when asked for.
+        lossfix = dataclasses.replace(lossfix, self_check=bool(lossfix.self_check))
+        self.lossfix_config = lossfix
+        # One schedule for the wrapper's life: its per-model checks run once.
+        self.lossfix_schedule = LossFixSchedule(lossfix)
+
+    @classmethod
+    def from_wrapper(cls, wrapper: Any, lossfix: LossFixConfig | str | None = None) -> Any:
+        """The same model, optimizer and policy loss as SkyRL's ``wrapper``, with the
+        plugin's step: ``self.model = LossFixModelWrapper.from_wrapper(self.model)`` after
+        the policy worker's ``init_model``."""
+        return cls(
+            wrapper.cfg,
+            wrapper.actor_module,
+            wrapper.actor_optimizer,
+            wrapper.policy_loss_fn,
+            is_vlm=wrapper.is_vlm,
+            lossfix=lossfix,
+        )
 
     def _lossfix_forward_backward(self, *, forward_step_func: Any, **kwargs: Any) -> Any:
         step = partial(_exact_forward_step, self, forward_step_func, *self._lossfix_loss)
@@ -273,36 +302,6 @@ def _make_class() -> type:
         ``algorithm.loss_reduction``. The advantages in the micro-batches must be raw (not
         pre-scaled by SkyRL's driver).
         """
-
-        def __init__(self, *args: Any, lossfix: LossFixConfig | str | None = None, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            if lossfix is None:
-                lossfix = lossfix_config_for(self.cfg.algorithm)
-            if isinstance(lossfix, str):
-                lossfix = LossFixConfig(reduction=lossfix)
-            # SkyRL defers the gradients' data-parallel reduction to its optimizer step
-            # (run_pending_grad_sync), so right after a step they are not yet equal on every
-            # rank: the first-step check runs only when asked for.
-            lossfix = dataclasses.replace(lossfix, self_check=bool(lossfix.self_check))
-            self.lossfix_config = lossfix
-            # One schedule for the wrapper's life: its per-model checks run once.
-            self.lossfix_schedule = LossFixSchedule(lossfix)
-
-        @classmethod
-        def from_wrapper(
-            cls, wrapper: Any, lossfix: LossFixConfig | str | None = None
-        ) -> LossFixModelWrapper:
-            """The same model, optimizer and policy loss as SkyRL's ``wrapper``, with the
-            plugin's step: ``self.model = LossFixModelWrapper.from_wrapper(self.model)`` after
-            the policy worker's ``init_model``."""
-            return cls(
-                wrapper.cfg,
-                wrapper.actor_module,
-                wrapper.actor_optimizer,
-                wrapper.policy_loss_fn,
-                is_vlm=wrapper.is_vlm,
-                lossfix=lossfix,
-            )
 
         def forward_backward_mini_batch(
             self,
