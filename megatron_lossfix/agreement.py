@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.groups import StepGroups, group_size
+from megatron_lossfix.groups import StepGroups, group_size, same_on_every_rank
 from megatron_lossfix.reduction import MODES
 
 REFUSAL_PREFIX = "megatron_lossfix refused this step: "
@@ -164,7 +164,7 @@ class Agreement:
 
     def settings_differ(self, ranks: int) -> torch.Tensor:
         """Whether the ``ranks`` summed here brought different settings (a 0-dim bool)."""
-        return self.fingerprint * self.fingerprint != ranks * self.fingerprint_sq
+        return ~same_on_every_rank(self.fingerprint, self.fingerprint_sq, ranks)
 
     def for_pipeline(self, mine: Agreement, ranks: int) -> Agreement:
         """This sum over the loss stage's ``ranks`` DP x CP ranks as it goes to the pipeline
@@ -209,7 +209,7 @@ class Agreement:
         values = self.to_tensor().tolist()
         fp, fp_sq, problems, rank_sum = values[:_HEADER]
         kinds, counts = values[_HEADER : _HEADER + len(_KINDS)], values[_HEADER + len(_KINDS) :]
-        stages_differ = fp * fp != pp_size * fp_sq
+        stages_differ = not same_on_every_rank(fp, fp_sq, pp_size)
         if stages_differ or kinds[_KINDS.index(Problem.DISAGREE)] > 0:
             where = "pipeline stages" if stages_differ else "data- or context-parallel ranks"
             raise StepRefused(

@@ -28,6 +28,7 @@ __all__ = [
     "id_count",
     "ids_for_mode",
     "missing_group_ids_message",
+    "parse_group_ids",
 ]
 
 #: The modes that weight by trajectory when sequences carry trajectory ids (a trajectory split
@@ -91,6 +92,34 @@ def check_ids(ids: object, count: object, rows: Sequence[int], name: str, count_
                 f"{tuple(vec.shape)}"
             )
     return count
+
+
+def parse_group_ids(
+    kind: str,
+    ids: object,
+    count: object,
+    masks: Sequence[torch.Tensor],
+    rows: Sequence[int],
+    names: tuple[str, str],
+    missing: str,
+) -> GroupIds | None:
+    """The ids of ``kind`` (``"group"``, needed; ``"trajectory"``, optional) as given by the
+    user, their structure checked without a device sync, each moved to its mask's device.
+
+    ``ids``: one integer tensor per micro-batch with ``rows[k]`` entries, or None (not given);
+    ``count``: their range (see :func:`id_count`; None with absent ids); ``names``: what the
+    ids and their range are called where the user gave them; ``missing``: the message for
+    absent group ids. None where trajectory ids are absent; ``ValueError`` in one line."""
+    name, count_name = names
+    if ids is None:
+        if kind == "group":
+            raise ValueError(missing)
+        if count is not None:
+            raise ValueError(f"{count_name} needs {name}")
+        return None
+    count = check_ids(ids, count, rows, name, count_name)
+    moved = [i.to(device=m.device, dtype=torch.long) for i, m in zip(ids, masks, strict=True)]
+    return GroupIds(ids=moved, count=count, name=name)
 
 
 def bad_id_values(groups: GroupIds) -> torch.Tensor:

@@ -9,6 +9,7 @@ parallelism that is absent (or not initialized) and counts as a group of one ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -16,6 +17,14 @@ import torch.distributed as dist
 def group_size(group: dist.ProcessGroup | None) -> int:
     """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def same_on_every_rank(total: Any, squares: Any, ranks: int | float) -> Any:
+    """Whether ``ranks`` values whose sum is ``total`` and whose sum of squares is ``squares``
+    are all equal: ``total**2 == ranks * squares`` (Cauchy-Schwarz; exact for the small
+    integers the agreements sum). Floats give a bool, tensors a 0-dim bool tensor, so that a
+    check on the device needs no host sync."""
+    return total * total == ranks * squares
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,11 +20,11 @@ from megatron_lossfix.group_ids import (
     GroupIds,
     bad_id_message,
     bad_id_values,
-    check_ids,
     ids_for_mode,
     missing_group_ids_message,
+    parse_group_ids,
 )
-from megatron_lossfix.groups import group_size
+from megatron_lossfix.groups import group_size, same_on_every_rank
 from megatron_lossfix.kept import kept_weights
 from megatron_lossfix.reduction import (
     REDUCTIONS,
@@ -162,16 +162,9 @@ def _group_ids(
     if wanted is None:
         return None
     ids, count, name, count_name = given[wanted]
-    if ids is None:
-        if wanted == "group":
-            raise ValueError(missing_group_ids_message())
-        if count is not None:
-            raise ValueError(f"{count_name} needs {name}")
-        return None
     rows = [m.shape[0] for m in masks]
-    count = check_ids(ids, count, rows, name, count_name)
-    moved = [i.to(device=masks[0].device) for i in ids]
-    return GroupIds(ids=moved, count=count, name=name)
+    missing = missing_group_ids_message()
+    return parse_group_ids(wanted, ids, count, masks, rows, (name, count_name), missing)
 
 
 def _agree_on_ids(
@@ -197,7 +190,7 @@ def _agree_on_ids(
         raise ValueError(bad_id_message(groups, int(bad.nonzero()[0, 0])))
     if flagged > 0:
         raise ValueError(f"{groups.name} refused on another rank (see its error); every rank stops")
-    if total * total != n * squares:
+    if not same_on_every_rank(total, squares, n):
         raise ValueError(
             f"the ranks disagree on the id range of {groups.name} (this rank: {groups.count}); "
             "give every rank the same range"

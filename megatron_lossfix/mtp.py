@@ -4,11 +4,11 @@ Megatron computes each MTP layer's loss inside the model: it rolls the loss mask
 left per layer (``roll_tensor``), divides the masked sum by the rolled mask's local count and
 attaches it with ``MTPLossAutoScaler``: a mean of per-micro-batch means. The plugin normalizes
 layer ``j`` like the main loss, over the masks shifted by ``j`` and their global counts. While
-its forward step runs on the loss stage (:func:`active`), the hooks hand Megatron, in place of
-each rolled mask, that layer's weights times the factor that undoes Megatron's averaging, and
-a count of 1 (from 0.17 ``process_mtp_loss`` is also kept off its per-token rescaling). Every
-other call passes through. A model that rolls a float mask more or less often than it has MTP
-layers is reported in :attr:`MTPStep.problem`, and the step refused.
+its forward step runs on the loss stage (:func:`active`, given the micro-batch's index), the
+hooks hand Megatron, in place of each rolled mask, that layer's weights times the factor that
+undoes Megatron's averaging, and a count of 1 (from 0.17 ``process_mtp_loss`` is also kept off
+its per-token rescaling). Every other call passes through. A model that rolls a float mask more
+or less often than it has MTP layers is reported in :attr:`MTPStep.problem`, and the step refused.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ class MTPStep:
     """What the weights were multiplied by to undo Megatron's averaging of the MTP loss."""
     scale: float
     """Megatron's ``mtp_loss_scaling_factor / mtp_num_layers``."""
-    microbatch: Callable[[], int]
-    """The index of the micro-batch whose forward pass is running."""
     contributions: list[list[torch.Tensor]] = field(default_factory=list)
     """Per layer, each micro-batch's ``sum(w_j * l_j)`` on this rank (for the metrics)."""
     layer: int = 0
@@ -48,10 +46,10 @@ class MTPStep:
     def __post_init__(self) -> None:
         self.contributions = [[] for _ in self.weights]
 
-    def next_mask(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weights and count for the next rolled mask; None (Megatron's own roll) after
-        noting why they do not fit."""
-        j, k, layers = self.layer, self.microbatch(), len(self.weights)
+    def next_mask(self, mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weights and count for the next rolled mask of micro-batch ``k``; None (Megatron's
+        own roll) after noting why they do not fit."""
+        j, layers = self.layer, len(self.weights)
         if j >= layers:
             return self._fail(
                 f"micro-batch {k}: the model rolled a float loss mask more than once per MTP "
@@ -74,11 +72,11 @@ class MTPStep:
         if 0 <= j < len(self.weights) and self.scale != 0:
             self.contributions[j].append(attached.detach().sum() / (self.scale * self.factor))
 
-    def finish_forward(self) -> None:
-        """After one forward pass: every MTP layer must have taken its weights."""
+    def finish_forward(self, k: int) -> None:
+        """After micro-batch ``k``'s forward pass: every MTP layer must have taken its weights."""
         if self.layer != len(self.weights):
             self._fail(
-                f"micro-batch {self.microbatch()}: the model rolled a float loss mask "
+                f"micro-batch {k}: the model rolled a float loss mask "
                 f"{self.layer} times for {len(self.weights)} MTP layers; pass the loss mask to "
                 "the model (GPTModel(..., labels=labels, loss_mask=loss_mask)): Megatron "
                 "computes the MTP loss inside the model from it"
@@ -97,7 +95,6 @@ def mtp_step(
     factor: torch.Tensor | float,
     groups: StepGroups,
     scaling_factor: float,
-    microbatch: Callable[[], int],
 ) -> MTPStep:
     """Each layer's weights: the mode over its shifted masks and global counts, times
     ``factor`` (``megatron_compat.undo_averaging(..., mtp=True)``), sliced for context
@@ -113,25 +110,27 @@ def mtp_step(
             layer = [slice_batch_for_cp({"w": w}, groups.cp)["w"] for w in layer]
         weights.append(layer)
     scale = float(scaling_factor) / len(weights)
-    return MTPStep(weights=weights, factor=factor, scale=scale, microbatch=microbatch)
+    return MTPStep(weights=weights, factor=factor, scale=scale)
 
 
-_ACTIVE: MTPStep | None = None
+_ACTIVE: tuple[MTPStep, int] | None = None
+"""The step whose weights the hooks hand out, and the micro-batch whose forward pass runs."""
 
 
 @contextlib.contextmanager
-def active(step: MTPStep | None) -> Iterator[None]:
-    """Hand ``step``'s weights to Megatron's MTP loss for the duration of one forward pass."""
+def active(step: MTPStep | None, k: int) -> Iterator[None]:
+    """Hand ``step``'s weights of micro-batch ``k`` to Megatron's MTP loss for the duration of
+    its forward pass."""
     global _ACTIVE
     if step is None:
         yield
         return
-    _ACTIVE = step
+    _ACTIVE = (step, k)
     try:
         yield
     finally:
         _ACTIVE = None
-    step.finish_forward()
+    step.finish_forward(k)
 
 
 def _hooked_roll(roll: Callable) -> Callable:
@@ -140,7 +139,10 @@ def _hooked_roll(roll: Callable) -> Callable:
         is_mask = isinstance(tensor, torch.Tensor) and (
             tensor.is_floating_point() or tensor.dtype == torch.bool
         )
-        replaced = _ACTIVE.next_mask(tensor) if _ACTIVE is not None and is_mask else None
+        replaced = None
+        if _ACTIVE is not None and is_mask:
+            step, k = _ACTIVE
+            replaced = step.next_mask(tensor, k)
         return roll(tensor, *args, **kwargs) if replaced is None else replaced
 
     roll_tensor.__lossfix_original__ = roll
@@ -181,7 +183,7 @@ def _recording_scaler(scaler: type) -> type:
         @classmethod
         def apply(cls, output: torch.Tensor, mtp_loss: torch.Tensor) -> Any:  # type: ignore[override]
             if _ACTIVE is not None:
-                _ACTIVE.record(mtp_loss)
+                _ACTIVE[0].record(mtp_loss)
             return super().apply(output, mtp_loss)
 
     return RecordingMTPLossAutoScaler

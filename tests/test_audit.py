@@ -199,14 +199,14 @@ def test_module_help():
 
 def _unscaled_layout_grads(*args, **kwargs):
     """The deferred normalization removed: a mask_in_loss step leaves its gradients unscaled."""
-    import megatron_lossfix.step as step
+    import megatron_lossfix.step_after as step_after
 
-    original = step.deferred_scale
-    step.deferred_scale = lambda *a, **k: (1.0, 1.0)
+    original = step_after.deferred_scale
+    step_after.deferred_scale = lambda *a, **k: (1.0, 1.0)
     try:
         return layout_grads(*args, **kwargs)
     finally:
-        step.deferred_scale = original
+        step_after.deferred_scale = original
 
 
 @pytest.mark.oracle

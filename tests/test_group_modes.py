@@ -345,19 +345,19 @@ def test_trajectories_split_into_rows_count_once_under_every_layout(dist_pool, n
 def _local_group_counts(*args, **kwargs):
     """The oracle's layout step with each rank's per-group counts left local (the all-reduce
     over DP x CP skipped): what the step would do without its group all-reduce."""
-    import megatron_lossfix.step as step
+    import megatron_lossfix.step_agree as step_agree
     from megatron_lossfix.audit.oracle import layout_grads
 
-    real = step._group_tokens
+    real = step_agree._group_tokens
 
     def local(counts, ids, groups):
         return real(counts, ids, dataclasses.replace(groups, dp_cp=None))
 
-    step._group_tokens = local
+    step_agree._group_tokens = local
     try:
         return layout_grads(*args, **kwargs)
     finally:
-        step._group_tokens = real
+        step_agree._group_tokens = real
 
 
 @pytest.mark.oracle
