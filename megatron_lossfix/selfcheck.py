@@ -1,10 +1,11 @@
 """The self-check: the first step's gradient must not move when re-split (docs/design.md §9).
 
 The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
-runs it, such as Megatron-LM's plumbing around it) three times: forward-only to learn what it
-reads, re-split, and normally, last, so that training goes on from the normal run with nothing
-to put back. It keeps no copy of a gradient: each run's is summarized by per-parameter sums and
-a few seeded random projections (:class:`_Sketch`). The step knows nothing of it;
+runs it, such as Megatron-LM's plumbing around it) re-split and normally, last, after learning
+what it reads (read ahead where the step reads all its micro-batches first, else in a
+forward-only pass), so that training goes on from the normal run with nothing to put back.
+It keeps no copy of a gradient: each run's is summarized by per-parameter sums and a few
+seeded random projections (:class:`_Sketch`). The step knows nothing of it;
 ``LossFixSchedule`` composes the two (:func:`first_step_check`): by default in every mode that
 can be checked, skipped silently where the step cannot be re-split; when the config asks for it
 explicitly (``self_check=True``), a step that cannot be checked is warned about or refused.
@@ -12,8 +13,9 @@ explicitly (``self_check=True``), a step that cannot be checked is warned about 
 
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
+from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
-from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
+from megatron_lossfix.megatron_compat import (
+    model_config_of,
+    model_parallel_groups,
+    resolve_groups,
+)
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step
 
@@ -70,8 +77,9 @@ class SelfCheck:
         return not self.checked and not kwargs.get("forward_only")
 
     def run(self, step: Step, call: dict, via: Callable[..., Any] | None = None) -> Any:
-        """Check the step ``call``: read its data forward-only, run it re-split, then run it
-        normally (training goes on from that last run); its result.
+        """Check the step ``call``: read its data (ahead, the step agreeing on it first, or in
+        a forward-only pass), run it re-split, then run it normally (training goes on from that
+        last run); its result.
 
         ``step``: the step whose record names the groups; ``via``: what runs it (by default
         ``step`` itself), so that every run goes through the same plumbing.
@@ -88,12 +96,17 @@ class SelfCheck:
         params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
         device = params[0].device if params else torch.device("cpu")
         unset, held = _entry_state(params, device)
-        # 1. What forward_step reads from each data iterator, forward-only (no gradient).
-        reads = _reading_pass(run, call)
-        if step.last_step is None:
+        # 1. What forward_step reads from each data iterator: read ahead, then the step's own
+        # reading and agreement on the normal split without its schedule, where the step reads
+        # all its micro-batches first; else a forward-only pass (no gradient).
+        reads, record = _read_ahead(step, call, via, len(chunks))
+        if reads is None:
+            reads = _reading_pass(run, call)
+            record = step.last_step
+        if record is None:
             raise RuntimeError("the self-check's step left no record: it did not run the step")
-        groups = step.last_step.groups
-        shards = model_parallel_groups(step.last_step.pg_collection)
+        groups = record.groups
+        shards = model_parallel_groups(record.pg_collection)
         # 2. The same data re-split; every rank learns whether any rank cannot, or holds
         # gradients from before the step, in one all-reduce over every rank of the model.
         plan = _plan(call, chunks, model_config, reads, groups, shards, device)
@@ -118,8 +131,13 @@ class SelfCheck:
         self.last_plan = plan
         # 3. The re-split run (and, with dropout, the normal split, both in eval mode), each
         # summarized by its sketch; RNG states put back after them.
-        resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
-                                            unset, model_config, shards)  # fmt: skip
+        try:
+            resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
+                                                unset, model_config, shards)  # fmt: skip
+        except StepRefused:  # on every rank: the normal split's refusal names its micro-batches
+            _zero_grads(chunks, params, unset)
+            run(**normal)
+            raise
         # 4. The normal run, last: training goes on from it, as without the check; 5. every
         # DP x CP replica must hold the same reduced gradient.
         _zero_grads(chunks, params, unset)
@@ -290,6 +308,57 @@ def _zero_grads(chunks: list, params: list, unset: list[bool]) -> None:
     for param, none in zip(params, unset, strict=True):
         if none and getattr(param, "main_grad", None) is None:
             param.grad = None
+
+
+def _read_ahead(step: Step, call: dict, via: Any, num_chunks: int) -> tuple:
+    """``([micro-batches], record)`` where ``step`` itself reads all its micro-batches before
+    its schedule (a ``Step`` called directly, one model chunk and data iterator, no pipeline
+    parallelism: every rank is the loss stage), else ``(None, None)``. The micro-batches (dicts
+    copied) are read here; the step then reads them again and agrees on them with its peers,
+    without running its schedule, so that a refusal or a disagreement surfaces exactly as
+    without the check (a read that raised raises there again)."""
+    given = call["data_iterator"]
+    sources = given if isinstance(given, list) else [given]
+    if via is not None or type(step) is not Step or num_chunks != 1 or len(sources) != 1:
+        return None, None
+    pg_collection = call.get("pg_collection")
+    pg_collection = step.pg_collection if pg_collection is None else pg_collection
+    if sources[0] is None or resolve_groups(pg_collection).pp_size > 1:
+        return None, None
+    items: list = []
+    error: BaseException | None = None
+    for _ in range(call["num_microbatches"]):
+        try:
+            item = next(sources[0])
+        except StopIteration:
+            break
+        except Exception as exc:  # noqa: BLE001 - the step meets it again and refuses
+            error = exc
+            break
+        items.append(dict(item) if isinstance(item, Mapping) else item)
+    dry = copy.copy(step)
+    dry.inner = _no_schedule
+    it = _replaying_then(items, error)
+    dry(**{**call, "data_iterator": [it] if isinstance(given, list) else it, "forward_only": True})
+    return [items], dry.last_step
+
+
+def _no_schedule(**call: Any) -> list:
+    """A schedule that takes the step's micro-batches (with their input checks, such as
+    ``check_finite``'s) and runs nothing: the self-check's step reads and agrees only."""
+    given = call["data_iterator"]
+    batches = given[-1] if isinstance(given, list) else given
+    for _ in zip(range(call["num_microbatches"]), batches, strict=False):
+        pass
+    return []
+
+
+def _replaying_then(items: list, error: BaseException | None) -> Iterator:
+    """``items`` (dicts copied), then ``error`` raised, if any."""
+    for item in items:
+        yield dict(item) if isinstance(item, Mapping) else item
+    if error is not None:
+        raise error
 
 
 def _reading_pass(run: Callable[..., Any], call: dict) -> list[list | None]:
