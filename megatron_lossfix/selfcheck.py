@@ -1,10 +1,11 @@
 """The self-check: the first step's gradient must not move when re-split (docs/design.md §9).
 
 The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
-runs it, such as Megatron-LM's plumbing around it) three times: forward-only to learn what it
-reads, re-split, and normally, last, so that training goes on from the normal run with nothing
-to put back. It keeps no copy of a gradient: each run's is summarized by per-parameter sums and
-a few seeded random projections (:class:`_Sketch`). The step knows nothing of it;
+runs it, such as Megatron-LM's plumbing around it) re-split and normally, last, after learning
+what it reads (read ahead where the step reads all its micro-batches first, else in a
+forward-only pass), so that training goes on from the normal run with nothing to put back.
+It keeps no copy of a gradient: each run's is summarized by per-parameter sums and a few
+seeded random projections (:class:`Sketch`). The step knows nothing of it;
 ``LossFixSchedule`` composes the two (:func:`first_step_check`): by default in every mode that
 can be checked, skipped silently where the step cannot be re-split; when the config asks for it
 explicitly (``self_check=True``), a step that cannot be checked is warned about or refused.
@@ -12,29 +13,36 @@ explicitly (``self_check=True``), a step that cannot be checked is warned about 
 
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
+from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
+from megatron_lossfix.gradient_sketch import (
+    BLOCK,
+    HOW_MEASURED,
+    Sketch,
+    gradient,
+    relative_error,
+    sketch_gradients,
+)
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
-from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
+from megatron_lossfix.megatron_compat import (
+    model_config_of,
+    model_parallel_groups,
+    resolve_groups,
+)
+from megatron_lossfix.microbatch_resplit import resplit, resplit_plan
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step
 
 __all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
-
-#: Seeded Gaussian projections of each run's gradient that the check compares (docs/design.md §9).
-PROJECTIONS = 16
-_WIDTH = 256  # a gradient is read as rows of this many elements, each row projected at once
-_ROWS = 256  # rows per block: the check's temporaries are a few blocks (512 KiB in fp64)
-_SEED = 45
-_HOW_MEASURED = f"estimated from {PROJECTIONS} random projections"
 
 #: Modes whose gradient depends on the micro-batch split by definition.
 _SPLIT_DEPENDENT = ("off", "token_mean_legacy")
@@ -70,8 +78,9 @@ class SelfCheck:
         return not self.checked and not kwargs.get("forward_only")
 
     def run(self, step: Step, call: dict, via: Callable[..., Any] | None = None) -> Any:
-        """Check the step ``call``: read its data forward-only, run it re-split, then run it
-        normally (training goes on from that last run); its result.
+        """Check the step ``call``: read its data (ahead, the step agreeing on it first, or in
+        a forward-only pass), run it re-split, then run it normally (training goes on from that
+        last run); its result.
 
         ``step``: the step whose record names the groups; ``via``: what runs it (by default
         ``step`` itself), so that every run goes through the same plumbing.
@@ -88,12 +97,17 @@ class SelfCheck:
         params = list(dict.fromkeys(p for c in chunks for p in c.parameters() if p.requires_grad))
         device = params[0].device if params else torch.device("cpu")
         unset, held = _entry_state(params, device)
-        # 1. What forward_step reads from each data iterator, forward-only (no gradient).
-        reads = _reading_pass(run, call)
-        if step.last_step is None:
+        # 1. What forward_step reads from each data iterator: read ahead, then the step's own
+        # reading and agreement on the normal split without its schedule, where the step reads
+        # all its micro-batches first; else a forward-only pass (no gradient).
+        reads, record = _read_ahead(step, call, via, len(chunks))
+        if reads is None:
+            reads = _reading_pass(run, call)
+            record = step.last_step
+        if record is None:
             raise RuntimeError("the self-check's step left no record: it did not run the step")
-        groups = step.last_step.groups
-        shards = model_parallel_groups(step.last_step.pg_collection)
+        groups = record.groups
+        shards = model_parallel_groups(record.pg_collection)
         # 2. The same data re-split; every rank learns whether any rank cannot, or holds
         # gradients from before the step, in one all-reduce over every rank of the model.
         plan = _plan(call, chunks, model_config, reads, groups, shards, device)
@@ -118,15 +132,20 @@ class SelfCheck:
         self.last_plan = plan
         # 3. The re-split run (and, with dropout, the normal split, both in eval mode), each
         # summarized by its sketch; RNG states put back after them.
-        resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
-                                            unset, model_config, shards)  # fmt: skip
+        try:
+            resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
+                                                unset, model_config, shards)  # fmt: skip
+        except StepRefused:  # on every rank: the normal split's refusal names its micro-batches
+            _zero_grads(chunks, params, unset)
+            run(**normal)
+            raise
         # 4. The normal run, last: training goes on from it, as without the check; 5. every
         # DP x CP replica must hold the same reduced gradient.
         _zero_grads(chunks, params, unset)
         result = run(**normal)
         sketch = self._replicas(chunks, params, groups, shards, device)
         # 6. The re-split run's sketch against the normal run's.
-        error = _relative_error(sketch if reference is None else reference, resplit_sketch,
+        error = relative_error(sketch if reference is None else reference, resplit_sketch,
                                 shards, device)  # fmt: skip
         self.last_error = error
         self._report(error, m, plan)
@@ -139,11 +158,11 @@ class SelfCheck:
         groups: StepGroups,
         shards: ModelParallelGroups,
         device: torch.device,
-    ) -> _Sketch:
+    ) -> Sketch:
         """The sketch of the gradient now held (the distributed optimizer's shards gathered
         first); raises ``SelfCheckError`` when the DP x CP replicas do not hold the same."""
         _unshard(chunks)
-        sketch = _sketch(params, shards)
+        sketch = sketch_gradients(params, shards)
         spread, worst = _replica_spread(params, sketch, groups)
         spread_max = float(_max([spread], device, shards.mp, groups.dp_cp)[0])
         self.last_replica_spread = spread_max
@@ -184,7 +203,7 @@ class SelfCheck:
         if not error <= self.tolerance:
             raise SelfCheckError(
                 f"megatron_lossfix self-check failed: re-running the first step's data {how} "
-                f"changed the gradient by {error:.3g} (relative L2, {_HOW_MEASURED}; tolerance "
+                f"changed the gradient by {error:.3g} (relative L2, {HOW_MEASURED}; tolerance "
                 f"{self.tolerance:g})"
                 f" under reduction {reduction!r}. The loss depends on how the step is split, "
                 "so it is not the mode's global "
@@ -202,79 +221,20 @@ class SelfCheck:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(
                 f"megatron_lossfix self-check passed: re-running the first step's data {how} "
-                f"changed the gradient by {error:.2g} (relative L2, {_HOW_MEASURED}; tolerance "
+                f"changed the gradient by {error:.2g} (relative L2, {HOW_MEASURED}; tolerance "
                 f"{self.tolerance:g})",
                 flush=True,
             )
 
 
-@dataclass(slots=True)
-class _Sketch:
-    """One run's gradient in a few numbers (fp64): per parameter its sum and squared L2 norm,
-    and per kind (dense, expert) ``PROJECTIONS`` seeded Gaussian projections of the elements
-    the relative error counts, a (PROJECTIONS x _WIDTH) matrix. No copy of the gradient."""
-
-    sums: torch.Tensor  # (parameters, 2): sum, sum of squares (0, 0: no gradient)
-    numel: torch.Tensor  # (parameters,)
-    counted: torch.Tensor  # (parameters, 2): 1 in the column of its kind; zeros: not counted
-    projections: torch.Tensor  # (2, PROJECTIONS, _WIDTH)
-
-
-def _sketch(params: list, shards: ModelParallelGroups) -> _Sketch:
-    """The sketch of the gradients now held, block by block (temporaries of one block).
-
-    A gradient of n elements is read as rows of ``_WIDTH`` (the last one zero-padded); each
-    block of ``_ROWS`` rows is multiplied by a (PROJECTIONS x rows) standard normal matrix drawn
-    from a generator seeded by the parameter's index and the rank in the group its error is
-    summed over (the same on DP x CP replicas, which hold the same gradient; independent across
-    the ranks whose projections add up), so that both runs draw the same matrices."""
-    device = params[0].device if params else torch.device("cpu")
-    sums = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
-    counted = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
-    numel = torch.tensor([p.numel() for p in params], dtype=torch.float64, device=device)
-    projections = torch.zeros(2, PROJECTIONS, _WIDTH, dtype=torch.float64, device=device)
-    ranks = [0 if group_size(g) <= 1 else dist.get_rank(g) for g in (shards.mp, shards.expert_mp)]
-    tp_rank = 0 if shards.tp is None else dist.get_rank(shards.tp)  # TP copies: rank 0's count
-    for i, param in enumerate(params):
-        grad = _grad(param)
-        if grad is None:
-            continue
-        tp_copy = not getattr(param, "tensor_model_parallel", False) and tp_rank != 0
-        kind = None if getattr(param, "shared", False) or tp_copy else 0
-        if kind is not None and not getattr(param, "allreduce", True):
-            kind = 1  # an expert parameter: its error is summed over the expert groups
-        generator = None
-        if kind is not None:
-            counted[i, kind] = 1.0
-            generator = torch.Generator(device=grad.device)
-            generator.manual_seed(((_SEED * 1_000_003 + ranks[kind]) * 1_000_003 + i) % 2**63)
-        for block in grad.detach().reshape(-1).split(_ROWS * _WIDTH):
-            x = block.to(torch.float64)
-            sums[i, 0] += x.sum()
-            sums[i, 1] += torch.dot(x, x)
-            if generator is None:
-                continue
-            rows = -(-x.numel() // _WIDTH)
-            if x.numel() < rows * _WIDTH:  # only a gradient's last block
-                x = torch.nn.functional.pad(x, (0, rows * _WIDTH - x.numel()))
-            x = x.view(rows, _WIDTH)
-            r = torch.randn(PROJECTIONS, rows, generator=generator, **_f64(device))
-            projections[kind].addmm_(r, x)
-    return _Sketch(sums, numel, counted, projections)
-
-
-def _f64(device: torch.device) -> dict:
-    return {"dtype": torch.float64, "device": device}
-
-
 def _entry_state(params: list, device: torch.device) -> tuple[list[bool], float]:
     """Which parameters hold no gradient yet (None), and 1.0 if any holds a nonzero one (the
     runs start from zero, as a step after ``zero_grad_buffer`` does), else 0.0."""
-    unset = [_grad(p) is None for p in params]
+    unset = [gradient(p) is None for p in params]
     held = torch.zeros((), dtype=torch.bool, device=device)
     for param in params:
-        grad = _grad(param)
-        for block in () if grad is None else grad.detach().reshape(-1).split(_ROWS * _WIDTH):
+        grad = gradient(param)
+        for block in () if grad is None else grad.detach().reshape(-1).split(BLOCK):
             held |= block.any()
     return unset, float(held)
 
@@ -290,6 +250,57 @@ def _zero_grads(chunks: list, params: list, unset: list[bool]) -> None:
     for param, none in zip(params, unset, strict=True):
         if none and getattr(param, "main_grad", None) is None:
             param.grad = None
+
+
+def _read_ahead(step: Step, call: dict, via: Any, num_chunks: int) -> tuple:
+    """``([micro-batches], record)`` where ``step`` itself reads all its micro-batches before
+    its schedule (a ``Step`` called directly, one model chunk and data iterator, no pipeline
+    parallelism: every rank is the loss stage), else ``(None, None)``. The micro-batches (dicts
+    copied) are read here; the step then reads them again and agrees on them with its peers,
+    without running its schedule, so that a refusal or a disagreement surfaces exactly as
+    without the check (a read that raised raises there again)."""
+    given = call["data_iterator"]
+    sources = given if isinstance(given, list) else [given]
+    if via is not None or type(step) is not Step or num_chunks != 1 or len(sources) != 1:
+        return None, None
+    pg_collection = call.get("pg_collection")
+    pg_collection = step.pg_collection if pg_collection is None else pg_collection
+    if sources[0] is None or resolve_groups(pg_collection).pp_size > 1:
+        return None, None
+    items: list = []
+    error: BaseException | None = None
+    for _ in range(call["num_microbatches"]):
+        try:
+            item = next(sources[0])
+        except StopIteration:
+            break
+        except Exception as exc:  # noqa: BLE001 - the step meets it again and refuses
+            error = exc
+            break
+        items.append(dict(item) if isinstance(item, Mapping) else item)
+    dry = copy.copy(step)
+    dry.inner = _no_schedule
+    it = _replaying_then(items, error)
+    dry(**{**call, "data_iterator": [it] if isinstance(given, list) else it, "forward_only": True})
+    return [items], dry.last_step
+
+
+def _no_schedule(**call: Any) -> list:
+    """A schedule that takes the step's micro-batches (with their input checks, such as
+    ``check_finite``'s) and runs nothing: the self-check's step reads and agrees only."""
+    given = call["data_iterator"]
+    batches = given[-1] if isinstance(given, list) else given
+    for _ in zip(range(call["num_microbatches"]), batches, strict=False):
+        pass
+    return []
+
+
+def _replaying_then(items: list, error: BaseException | None) -> Iterator:
+    """``items`` (dicts copied), then ``error`` raised, if any."""
+    for item in items:
+        yield dict(item) if isinstance(item, Mapping) else item
+    if error is not None:
+        raise error
 
 
 def _reading_pass(run: Callable[..., Any], call: dict) -> list[list | None]:
@@ -332,16 +343,16 @@ def _reruns(
     unset: list[bool],
     model_config: Any,
     shards: ModelParallelGroups,
-) -> tuple[_Sketch, _Sketch | None]:
+) -> tuple[Sketch, Sketch | None]:
     """The re-split run's sketch, and the reference's: None (the normal run, after these) or,
     with dropout, whose masks cannot match across splits, the normal split's, both runs then in
     eval mode. The RNG states are put back after them."""
 
-    def rerun(data: list, plan: tuple | None) -> _Sketch:
+    def rerun(data: list, plan: tuple | None) -> Sketch:
         _zero_grads(chunks, params, unset)
         run(**_replays(call, data, plan, source=False))
         _unshard(chunks)
-        return _sketch(params, shards)
+        return sketch_gradients(params, shards)
 
     training = [c.training for c in chunks]
     rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
@@ -428,11 +439,6 @@ def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) ->
     return None
 
 
-def _grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
-
-
 def _unshard(chunks: list) -> None:
     """Gather the distributed optimizer's shards into full ``main_grad``s (its own unchanged)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
@@ -458,10 +464,10 @@ def _max(values: Any, device: torch.device, *groups: Any) -> torch.Tensor:
     return tensor
 
 
-def _replica_spread(params: list, sketch: _Sketch, groups: StepGroups) -> tuple:
+def _replica_spread(params: list, sketch: Sketch, groups: StepGroups) -> tuple:
     """Relative spread of dense gradients over DP x CP, and the index of the worst (-1: none)."""
     dense = [
-        i for i, p in enumerate(params) if _grad(p) is not None and getattr(p, "allreduce", True)
+        i for i, p in enumerate(params) if gradient(p) is not None and getattr(p, "allreduce", True)
     ]
     if group_size(groups.dp_cp) <= 1 or not dense:
         return 0.0, -1
@@ -473,104 +479,3 @@ def _replica_spread(params: list, sketch: _Sketch, groups: StepGroups) -> tuple:
     spread = torch.maximum(sum_spread, (both[:, 1] + both[:, 3]) / square)
     worst = int(spread.argmax())
     return float(spread[worst]), dense[worst]
-
-
-def _relative_error(
-    reference: _Sketch, other: _Sketch, groups: ModelParallelGroups, device: Any
-) -> float:
-    """The relative L2 distance of ``other``'s gradient from ``reference``'s, each element once
-    (as Megatron's grad norm): the larger of the projections' estimate and the lower bound that
-    the per-parameter norms and sums give (docs/design.md §9)."""
-    norms = (reference.sums[:, 1].clamp(min=0).sqrt(), other.sums[:, 1].clamp(min=0).sqrt())
-    sums = reference.sums[:, 0] - other.sums[:, 0]
-    bound = torch.maximum((norms[0] - norms[1]).square(), sums.square() / reference.numel.clamp(1))
-    estimate, lower, ref = 0.0, 0.0, 0.0
-    for kind, group in enumerate((groups.mp, groups.expert_mp)):
-        counted = reference.counted[:, kind]
-        totals = torch.stack([(bound * counted).sum(), (reference.sums[:, 1] * counted).sum()])
-        diff = (reference.projections[kind] - other.projections[kind]).reshape(-1)
-        row = torch.cat([diff, totals])
-        if group_size(group) > 1:
-            dist.all_reduce(row, group=group)
-        estimate += float(row[:-2].square().sum()) / PROJECTIONS
-        lower, ref = lower + float(row[-2]), ref + float(row[-1])
-    diff = max(estimate, lower)
-    return (diff**0.5) / max(ref**0.5, 1e-30) if ref > 0 else float(diff > 0)
-
-
-def resplit_plan(
-    m: int, mbs: int | None, pp: int = 1, group: int | None = None, keep_shapes: bool = False
-) -> tuple | None:
-    """``(kind, factor, new m, new mbs or None: the call's)``, or None: nothing can change."""
-
-    def fits(new_m: int) -> bool:  # a count Megatron's interleaved schedule accepts
-        return group is None or (new_m >= group and not 0 < new_m % group < pp)
-
-    shuffle = ("shuffle", 1, m, None) if m >= 2 and (mbs is None or mbs >= 2) else None
-    if keep_shapes:  # forward_step broadcasts fixed-shape batches
-        return shuffle
-    # Cut in two (same memory), with pipelines only evenly (one activation shape); else merge.
-    if mbs is not None and mbs >= 2 and (mbs % 2 == 0 or pp == 1) and fits(2 * m):
-        return ("split", 2, 2 * m, mbs // 2 if mbs % 2 == 0 else None)
-    g = next((k for k in range(2, m + 1) if m % k == 0), 0)
-    if g and fits(m // g):
-        return ("merge", g, m // g, None if mbs is None else mbs * g)
-    return shuffle
-
-
-def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss_mask") -> list:
-    """``plan`` applied to one iterator's dict micro-batches (per-row tensors cut, rest kept)."""
-    rows = []  # the loss mask's first dim, else the first tensor's
-    for k, batch in enumerate(batches):
-        if not isinstance(batch, Mapping):
-            kind = type(batch).__name__
-            raise ValueError(f"micro-batch {k} is a {kind}; the self-check re-splits only dicts")
-        if "cu_seqlens" in batch:
-            raise ValueError("packed (THD, cu_seqlens) micro-batches cannot be re-split")
-        tensors = [v for v in (batch.get(mask_key), *batch.values()) if _is_rows(v)]
-        if not tensors:
-            raise ValueError("a micro-batch holds no tensor to split")
-        rows.append(len(tensors[0]))
-    kind, factor, m = plan[0], plan[1], len(batches)
-    # Per new micro-batch: (old micro-batch, its rows) pairs; shuffle: row i of new j is row i
-    # of old (i + j) mod m.
-    if kind == "split":
-        if min(rows) < 2:
-            raise ValueError(f"a micro-batch of {min(rows)} row cannot be cut in two")
-        pieces = [[(k, s)] for k, r in enumerate(rows) for s in (slice(r // 2), slice(r // 2, r))]
-    elif kind == "merge":
-        pieces = [[(k, slice(None)) for k in range(s, s + factor)] for s in range(0, m, factor)]
-    else:
-        if len(set(rows)) != 1 or rows[0] < 2 or m < 2:
-            sizes = sorted(set(rows))
-            raise ValueError(f"shuffling needs >= 2 micro-batches of one size >= 2, not {sizes}")
-        pieces = [[((i + j) % m, slice(i, i + 1)) for i in range(rows[0])] for j in range(m)]
-    out = []
-    for piece in pieces:
-        group = [batches[k] for k, _ in piece]
-        if any(set(b) != set(group[0]) for b in group):
-            raise ValueError(f"micro-batches to {kind} hold different keys")
-        new = {}
-        for key, first in group[0].items():
-            values = [b[key] for b in group]
-            if all(_is_rows(v, rows[k]) for v, (k, _) in zip(values, piece, strict=True)):
-                new[key] = torch.cat([v[s] for v, (_, s) in zip(values, piece, strict=True)])
-            elif all(_same(first, v) for v in values[1:]):
-                new[key] = first
-            else:
-                raise ValueError(f"cannot {kind} micro-batches: {key!r} differs and is not per-row")
-        out.append(new)
-    return out
-
-
-def _is_rows(value: Any, rows: int | None = None) -> bool:
-    """Whether ``value`` is a tensor with a first dim (of ``rows`` rows, when given)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and rows in (None, len(value))
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        tensors = isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
-        return a is b or bool(torch.equal(a, b) if tensors else a == b)
-    except Exception:  # noqa: BLE001 - incomparable values are simply not the same
-        return False
