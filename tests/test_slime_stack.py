@@ -3,7 +3,9 @@ own loss tests with the adapter switched on.
 
 The e2e tests run slime's ``loss_function`` and ``get_batch`` from the installed slime (installed
 from its source: docs/slime.md) on the tiny GPT over two ranks and compare the gradient with
-the one-rank reference of the exact objective; they skip where slime is not installed. slime's
+the one-rank reference of the exact objective (with slime's TIS rejection and OPSM, which drop
+tokens inside its loss, under both meanings of a dropped token); they skip where slime is not
+installed. slime's
 own tests run from its source tree, which ``SLIME_SOURCE`` names (a clone or its ``git archive``
 ``.tar.gz``; CI sets it); they skip without it. The unit tests need neither.
 """
