@@ -3,7 +3,9 @@ own loss tests with the adapter switched on.
 
 The e2e tests run slime's ``loss_function`` and ``get_batch`` from the installed slime (installed
 from its source: docs/slime.md) on the tiny GPT over two ranks and compare the gradient with
-the one-rank reference of the exact objective; they skip where slime is not installed. slime's
+the one-rank reference of the exact objective (with slime's TIS rejection and OPSM, which drop
+tokens inside its loss, under both meanings of a dropped token); they skip where slime is not
+installed. slime's
 own tests run from its source tree, which ``SLIME_SOURCE`` names (a clone or its ``git archive``
 ``.tar.gz``; CI sets it); they skip without it. The unit tests need neither.
 """
@@ -26,6 +28,8 @@ from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
 from megatron_lossfix.audit.oracle import relative_error
 from megatron_lossfix.audit.stacks import slime as stack
+from megatron_lossfix.audit.stacks.slime_objective import slime_references
+from megatron_lossfix.audit.stacks.slime_ranks import EXCLUDED_ROW
 from megatron_lossfix.integrations import slime as adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +110,38 @@ def test_the_switch_answers_slimes_schedule_lookup():
 
 
 @pytest.mark.unit
+def test_every_setting_runs_and_the_mask_in_loss_row_only_where_tokens_drop():
+    plan = stack.runs(tuple(stack.MODES), tuple(stack.SETTINGS))
+    assert {s for _, _, s in plan} == {"ppo", "tis", "opsm", "gspo"}
+    assert {m for _, m, s in plan if s == "ppo"} == set(stack.MODES)
+    assert {(m, s) for r, m, s in plan if r == EXCLUDED_ROW} == {
+        (m, s) for m in ("per_rollout", "per_token") for s in ("tis", "opsm")
+    }
+    assert stack.row_name("slime", "per_token", "opsm") == "slime:per_token+opsm"
+    assert stack.row_name("slime", "per_token", "ppo") == "slime:per_token"
+
+
+@pytest.mark.unit
+def test_mask_in_loss_switch_sets_the_plugins_excluded_meaning():
+    args = Namespace(calculate_per_token_loss=True)
+    assert adapter.lossfix_config_for(args, mask_in_loss=True).mask_in_loss is True
+    assert adapter.lossfix_config_for(args).mask_in_loss is False
+    args.lossfix_mask_in_loss = True  # the plugin's flag, where slime's parser has it
+    assert adapter.lossfix_config_for(args).mask_in_loss is True
+
+
+@pytest.mark.unit
+@needs_slime
+def test_custom_pg_loss_reducer_is_refused_in_one_line():
+    from functools import partial
+
+    args = Namespace(custom_pg_loss_reducer_function_path="my.reducer")
+    slime_loss = partial(lambda *a: None, args, {})
+    with pytest.raises(ValueError, match="drop --custom-pg-loss-reducer-function-path"):
+        adapter.weighted_loss_function(slime_loss, torch.zeros(1, 1), torch.zeros(1))
+
+
+@pytest.mark.unit
 @needs_slime
 def test_recomputed_loss_with_tis_is_refused_in_one_line():
     from functools import partial
@@ -128,15 +164,32 @@ def slime_pool():
     pool.close()
 
 
-def _errors(pool, worker, layout: str, allgather: bool, modes: tuple[str, ...]) -> dict:
+def _errors(
+    pool, worker, layout: str, allgather: bool, modes: tuple[str, ...], settings=("ppo",)
+) -> dict:
+    """Each run's error against its target: slime's rows against the zeroed objective (times
+    slime's share), the adapter's against the zeroed one, the mask-in-loss rows against the
+    excluded one; ``(row, mode, setting, "zeroed")`` also holds each adapted run against the
+    other meaning (the two must differ where the loss drops tokens)."""
     lay = parse_layout(layout)
     case = stack.stack_case(AuditOptions(), lay)
-    got = pool.run(worker, 2, lay.parallel(), case, modes, lay.num_microbatches, allgather)[0]
+    got = pool.run(
+        worker, 2, lay.parallel(), case, modes, lay.num_microbatches, allgather,
+        stack.ROWS, settings,
+    )[0]  # fmt: skip
+    wanted = sorted({(m, s, e) for _, m, s in got for e in (False, True)})
+    refs = pool.run(slime_references, 1, case, wanted)[0]
     out = {}
-    for (row, mode), grads in got.items():
-        ref = pool.run(stack.slime_reference, 1, case, mode)[0]
+    for (row, mode, setting), grads in got.items():
+        excluded = row == EXCLUDED_ROW
         share = stack.slime_share(case, mode) if row == "slime" else 1.0
-        out[(row, mode)] = relative_error(grads, {k: v * share for k, v in ref.items()})
+        ref = refs[(mode, setting, excluded)]
+        out[(row, mode)] = out[(row, mode, setting)] = relative_error(
+            grads, {k: v * share for k, v in ref.items()}
+        )
+        out[(row, mode, setting, "other")] = relative_error(
+            grads, refs[(mode, setting, not excluded)]
+        )
     return out
 
 
@@ -163,6 +216,32 @@ def test_bypassing_the_adapter_fails_the_check(slime_pool):
 
     errors = _errors(slime_pool, bypassed_layout_grads, "dp2-m3", False, ("per_token",))
     assert errors[("slime+lossfix", "per_token")] > 100 * TOL, errors
+
+
+@needs_slime
+@pytest.mark.e2e
+def test_masks_decided_in_slimes_loss_are_exact_through_the_adapter(slime_pool):
+    # slime's TIS rejection and OPSM drop tokens inside its loss; under ring CP (each rank a
+    # zigzag shard of every sequence) with 3 micro-batches, in both of slime's settings.
+    settings, modes = ("tis", "opsm"), ("per_rollout", "per_token")
+    errors = _errors(slime_pool, stack.slime_layout_grads, "cp2-m3", False, modes, settings)
+    for mode in modes:
+        for setting in settings:
+            for row in ("slime+lossfix", EXCLUDED_ROW):
+                assert errors[(row, mode, setting)] <= TOL, errors
+                # The two meanings of a dropped token differ by far more than rounding here.
+                assert errors[(row, mode, setting, "other")] > 0.1, errors
+
+
+@needs_slime
+@pytest.mark.e2e
+def test_mask_in_loss_switch_without_its_normalization_fails_the_check(slime_pool):
+    from helpers.slime_stack import zeroed_mask_in_loss_grads
+
+    modes = ("per_rollout", "per_token")
+    errors = _errors(slime_pool, zeroed_mask_in_loss_grads, "dp2-m3", False, modes, ("opsm",))
+    for mode in modes:
+        assert errors[(EXCLUDED_ROW, mode, "opsm")] > 0.1, errors
 
 
 def _slime_source(tmp_path: Path) -> Path:

@@ -36,9 +36,11 @@ __all__ = [
     "Layout",
     "TinyGPT",
     "build_tiny_gpt",
+    "case_tiny_gpt",
     "gather_full_grads",
     "gather_full_params",
     "init_layout",
+    "one_rank_tiny_gpt",
     "set_deterministic_params",
 ]
 
@@ -189,6 +191,24 @@ def build_tiny_gpt(layout: Layout, **kwargs: Any) -> tuple[list, Any]:
     overrides = {k: v for k, v in kwargs.items() if k not in _TINY_GPT_FIELDS}
     fields = {k: v for k, v in kwargs.items() if k in _TINY_GPT_FIELDS}
     return TinyGPT(**fields, config_overrides=overrides).build(layout)
+
+
+def case_tiny_gpt(layout: Layout, case: Any, **overrides: Any) -> tuple[list, Any]:
+    """This rank's tiny GPT of an oracle ``case`` (its sequence length and model settings, with
+    ``overrides``) under ``layout``, initialized already (:func:`init_layout`)."""
+    kwargs = {**case.model_kwargs, **overrides}
+    return build_tiny_gpt(layout, seq_len=case.seq_length, **kwargs)
+
+
+def one_rank_tiny_gpt(case: Any, **overrides: Any) -> tuple[torch.nn.Module, Any]:
+    """The one-rank tiny GPT of an oracle ``case`` that a reference gradient is taken on: one
+    rank (every parallel size 1), the case's deterministic parameters, no gradient yet.
+    Returns the model (one chunk, Megatron DDP) and its config; ``gather_full_grads([model])``
+    reads its gradient."""
+    (model,), config = case_tiny_gpt(init_layout(Layout()), case, **overrides)
+    set_deterministic_params([model], case.seed)
+    model.zero_grad_buffer()
+    return model, config
 
 
 # -- gradient gathering ---------------------------------------------------------------------------

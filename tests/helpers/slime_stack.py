@@ -17,7 +17,7 @@ def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
 
     own = adapter.enable
 
-    def bypass(slime_args: Any) -> Any:
+    def bypass(slime_args: Any, **kwargs: Any) -> Any:
         from slime.backends.megatron_utils import model as slime_model
 
         fbf = get_forward_backward_func()
@@ -26,9 +26,23 @@ def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
 
     adapter.enable = bypass
     try:
-        return slime_layout_grads(*args, rows=("slime+lossfix",), **kwargs)
+        return slime_layout_grads(*args[:5], rows=("slime+lossfix",), settings=args[6])
     finally:
         adapter.enable = own
+
+
+def zeroed_mask_in_loss_grads(*args: Any, **kwargs: Any) -> Any:
+    """The mask-in-loss row with its switch handing the adapter the zeroed meaning (what a user
+    gets whose dropped tokens still count): its gradients must miss the excluded objective."""
+    from megatron_lossfix.audit.stacks.slime_ranks import EXCLUDED_ROW, slime_layout_grads
+    from megatron_lossfix.integrations import slime as adapter
+
+    own = adapter.enable_mask_in_loss
+    adapter.enable_mask_in_loss = adapter.enable
+    try:
+        return slime_layout_grads(*args[:5], rows=(EXCLUDED_ROW,), settings=args[6])
+    finally:
+        adapter.enable_mask_in_loss = own
 
 
 def pytest_configure(config: Any) -> None:

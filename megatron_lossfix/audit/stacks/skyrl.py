@@ -320,7 +320,7 @@ def skyrl_layout_grads(
     from megatron_lossfix.audit import tiny_gpt
 
     tiny_gpt.init_layout(layout)
-    chunks, config = tiny_gpt.build_tiny_gpt(layout, seq_len=case.seq_length, **case.model_kwargs)
+    chunks, config = tiny_gpt.case_tiny_gpt(layout, case)
     batch = skyrl_batch(case, config.vocab_size, terms)
     batch = {
         k: v.to(next(chunks[0].parameters()).device) if torch.is_tensor(v) else v
@@ -343,19 +343,9 @@ def skyrl_reference(
 ) -> dict[str, torch.Tensor]:
     """One rank, one micro-batch: the gradient of the exact objective (module docstring)."""
     from megatron_lossfix.audit.oracle import reference_weights, set_moe_aux_scale
-    from megatron_lossfix.audit.tiny_gpt import (
-        Layout,
-        build_tiny_gpt,
-        gather_full_grads,
-        init_layout,
-        set_deterministic_params,
-    )
+    from megatron_lossfix.audit.tiny_gpt import gather_full_grads, one_rank_tiny_gpt
 
-    layout = init_layout(Layout())
-    chunks, config = build_tiny_gpt(layout, seq_len=case.seq_length, **case.model_kwargs)
-    set_deterministic_params(chunks, case.seed)
-    model = chunks[0]
-    model.zero_grad_buffer()
+    model, config = one_rank_tiny_gpt(case)
     device = next(model.parameters()).device
     batch = {
         k: v.to(device) if torch.is_tensor(v) else v
@@ -384,7 +374,7 @@ def skyrl_reference(
     set_moe_aux_scale(config, device)
     loss.backward()
     model.finish_grad_sync()
-    return gather_full_grads(chunks)
+    return gather_full_grads([model])
 
 
 # ------------------------------------------------------------------------------ the driver
