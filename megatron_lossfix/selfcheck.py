@@ -24,6 +24,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
 from megatron_lossfix.megatron_compat import model_config_of, model_parallel_groups
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step
 
@@ -36,9 +37,6 @@ _ROWS = 256  # rows per block: the check's temporaries are a few blocks (512 KiB
 _SEED = 45
 _HOW_MEASURED = f"estimated from {PROJECTIONS} random projections"
 
-#: Modes whose gradient depends on the micro-batch split by definition.
-_SPLIT_DEPENDENT = ("off", "token_mean_legacy")
-
 
 class SelfCheckError(RuntimeError):
     """The gradient moved under a re-split of the step, or differs across DP x CP replicas."""
@@ -49,7 +47,7 @@ def first_step_check(config: LossFixConfig) -> SelfCheck | None:
     default (None) in a mode whose gradient depends on the split."""
     wanted = config.self_check
     if wanted is None:
-        wanted = config.reduction not in _SPLIT_DEPENDENT
+        wanted = not mode_of(config.reduction).split_dependent
     return SelfCheck(config) if wanted else None
 
 
@@ -407,7 +405,7 @@ def _how(m: int, plan: tuple | None) -> str:
 def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) -> str | None:
     """Why the step cannot be checked (the same on every rank), or None: its gradient depends
     on the split by design, or the model holds no parameters to compare."""
-    if reduction in _SPLIT_DEPENDENT:
+    if reduction is not None and mode_of(reduction).split_dependent:
         return (
             f"reduction {reduction!r} depends on the micro-batch split by definition "
             "(Megatron's mean of per-micro-batch means)"

@@ -56,6 +56,7 @@ from megatron_lossfix.group_ids import GroupIds
 from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.kept import NUM_COUNTS as KEPT_COUNTS
 from megatron_lossfix.kept import KeptCounts, KeptStep, Phase, deferred_scale, phase_for
+from megatron_lossfix.modes import megatron_normalizes, mode_of
 from megatron_lossfix.mtp import MTPStep, active, mtp_step
 from megatron_lossfix.reduction import LossFixConfig, StepCounts
 
@@ -115,9 +116,8 @@ class StepRecord:
     def passthrough(self) -> bool:
         """Whether the loss tuples go to Megatron unchanged: ``off``, and ``token_mean`` on
         Megatron's per-token path, whose division by the all-reduced N already is the mode."""
-        mode = self.config.reduction
-        per_token_mean = mode == "token_mean" and self.per_token and not self.config.mask_in_loss
-        return mode == "off" or per_token_mean
+        normalized = megatron_normalizes(mode_of(self.config.reduction), self.per_token)
+        return normalized and not self.config.mask_in_loss  # stock has no mask_in_loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +180,7 @@ class Step:
             num_microbatches=call["num_microbatches"],
             pg_collection=self.pg_collection if given is None else given,
         )
-        if self.config.reduction == "off":
+        if mode_of(self.config.reduction).stock:
             result = self._stock(call, record)
         else:
             result = self._plugin(call, record)
