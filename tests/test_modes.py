@@ -117,7 +117,8 @@ def _named_modes(node: ast.AST) -> list[str]:
         if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
             if sub.value in MODES or sub.value in ALIASES:
                 found.append(sub.value)
-            found += [n for n in long_names if re.search(rf"(?<![\w]){n}(?![\w])", sub.value)]
+            else:
+                found += [n for n in long_names if re.search(rf"(?<!\w){n}(?!\w)", sub.value)]
     return found
 
 
