@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_lossfix import modes
 from megatron_lossfix.modes import (
@@ -182,3 +183,32 @@ def test_flag_help_and_audit_defaults_come_from_the_table():
     assert all((f"C of {m.name}:" in constant) == m.uses_constant for m in MODE_RECORDS)
     audit = add_audit_args(argparse.ArgumentParser())
     assert tuple(options_from_args(audit.parse_args([])).modes) == MODES
+
+
+@pytest.mark.parametrize(
+    "mode", [m.name for m in MODE_RECORDS if not m.stock and m.ids is not Ids.PROMPT_GROUPS]
+)
+def test_global_counts_say_when_rank_local_counts_differ(mode):
+    """A mode's ``global_counts`` is empty exactly when each DP rank's own counts give the
+    step's weights (what ``loss_weights`` relies on to skip the all-reduce): two ranks' halves
+    with different token and sequence counts, weighed with their own counts and with the
+    step's, against the whole batch weighed on one rank."""
+    from megatron_lossfix.reduction import count_tokens, weights_from_counts
+
+    gen = torch.Generator().manual_seed(7)
+    masks = [(torch.rand(3, 8, generator=gen) < p).float() for p in (0.9, 0.8, 0.3, 0.2)]
+    masks[3][0] = 0  # an empty sequence on the second rank only
+    c = 4.0 if modes.mode_of(mode).uses_constant else None
+    whole = torch.cat(weights_from_counts(masks, count_tokens(masks), mode, norm_constant=c))
+    every = count_tokens(masks)
+    local, step = [], []
+    for half in (masks[:2], masks[2:]):
+        own = dataclasses.replace(count_tokens(half), dp_size=2)
+        local += weights_from_counts(half, own, mode, norm_constant=c)
+        agreed = dataclasses.replace(
+            own, num_tokens=every.num_tokens, num_sequences=every.num_sequences
+        )
+        step += weights_from_counts(half, agreed, mode, norm_constant=c)
+    assert torch.equal(torch.cat(step), whole)
+    declared = bool(modes.mode_of(mode).global_counts)
+    assert torch.equal(torch.cat(local), whole) is not declared
