@@ -260,8 +260,8 @@ def _kept_sequence(part: KeptPart) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the table
-#: The modes, in the order ``REDUCTIONS`` and ``MODES`` list them (the step's agreement encodes
-#: a mode by its place in ``MODES``: append, never reorder).
+#: The modes, in the order ``REDUCTIONS`` and ``MODES`` list them, the stock mode last (the
+#: step's agreement encodes a mode by its place in ``MODES``, the same on every rank).
 MODE_RECORDS: tuple[Mode, ...] = (
     Mode(
         name="token_mean",
