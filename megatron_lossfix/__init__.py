@@ -13,11 +13,12 @@ that import it at module level are imported by name. docs/design.md §6 maps eve
 
 from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.args import add_lossfix_args, schedule_from_args
+from megatron_lossfix.config import LossFixConfig
 from megatron_lossfix.cpu_compat import enable_cpu_megatron
 from megatron_lossfix.kept import kept_weights
 from megatron_lossfix.losses import loss_weights, weighted_loss
 from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.reduction import REDUCTIONS, LossFixConfig
+from megatron_lossfix.modes import REDUCTIONS
 from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.rl.objective import RLObjective, grpo_advantages, rl_objective
 from megatron_lossfix.schedule import LossFixSchedule

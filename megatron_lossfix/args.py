@@ -18,7 +18,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.reduction import ALIASES, MODES, LossFixConfig
+from megatron_lossfix.config import LossFixConfig
+from megatron_lossfix.modes import ALIASES, MODE_RECORDS, MODES, STOCK, describe_modes
 from megatron_lossfix.schedule import LossFixSchedule
 
 __all__ = [
@@ -84,6 +85,9 @@ def positive_float(text: str) -> float:
     return value
 
 
+#: The modes that take ``--loss-norm-constant``.
+CONSTANT_MODES = tuple(m for m in MODE_RECORDS if m.uses_constant)
+
 #: The flags, in the order ``--help`` lists them: (flag, ``add_argument`` keywords).
 _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
@@ -91,13 +95,7 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             choices=(*MODES, *ALIASES),
             default=None,
-            help="how the step's loss is normalized: token_mean (every loss token equal), "
-            "sequence_mean (every sequence equal; every trajectory where micro-batches carry "
-            "trajectory_ids), seq_mean_token_sum_norm (Dr. GRPO, needs --loss-norm-constant), "
-            "sum, token_mean_legacy (reproduces the old mean of per-micro-batch means), "
-            "group_mean or its alias prompt_mean (every prompt group equal, token mean inside "
-            "it; needs group_ids and num_groups in the micro-batches), or off (a literal "
-            "pass-through to stock Megatron).",
+            help=f"how the step's loss is normalized: {describe_modes()}.",
         ),
     ),
     (
@@ -105,8 +103,8 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=float,
             default=None,
-            help="C of seq_mean_token_sum_norm: the loss is sum over sequences of the token sum "
-            "divided by (number of sequences x C); e.g. the maximum response length. Must be > 0.",
+            help="; ".join(f"C of {m.name}: {m.constant}" for m in CONSTANT_MODES)
+            + ". Must be > 0.",
         ),
     ),
     (
@@ -218,7 +216,7 @@ def _reduction_default(mode: str | None) -> str:
     """What ``--loss-reduction``'s help says a run without it does."""
     if mode is None:
         return "Not given: the plugin stays out (stock Megatron's own normalization)."
-    return f"Not given: {mode} (off for stock Megatron)."
+    return f"Not given: {mode} ({STOCK} for stock Megatron)."
 
 
 def from_args(args: argparse.Namespace) -> LossFixConfig | None:
@@ -233,7 +231,8 @@ def from_args(args: argparse.Namespace) -> LossFixConfig | None:
     self_check = getattr(args, "lossfix_self_check", None)
     if reduction is None:
         if norm_constant is not None:
-            raise ValueError("--loss-norm-constant needs --loss-reduction seq_mean_token_sum_norm")
+            modes = " or ".join(m.name for m in CONSTANT_MODES)
+            raise ValueError(f"--loss-norm-constant needs --loss-reduction {modes}")
         if self_check:  # asked for explicitly
             raise ValueError("--lossfix-self-check needs --loss-reduction (the plugin must be on)")
         for flag in ("mask_in_loss", "counting_pass"):
@@ -273,5 +272,5 @@ def schedule_from_args(
     Raises ``ValueError`` for contradictory flags (see ``from_args``), and for
     ``--lossfix-self-check`` without ``--loss-reduction``.
     """
-    config = from_args(args) or LossFixConfig(reduction="off")
+    config = from_args(args) or LossFixConfig(reduction=STOCK)
     return LossFixSchedule(config, forward_backward_func, pg_collection=pg_collection)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lossfix.modes import Ids, mode_of, modes_reading, quoted_with_aliases
+
 __all__ = [
     "TRAJECTORY_MODES",
     "GroupIds",
@@ -33,7 +35,7 @@ __all__ = [
 
 #: The modes that weight by trajectory when sequences carry trajectory ids (a trajectory split
 #: into several rows counts once); without them each row (packed sequence) is a sequence.
-TRAJECTORY_MODES: tuple[str, ...] = ("sequence_mean", "seq_mean_token_sum_norm")
+TRAJECTORY_MODES: tuple[str, ...] = modes_reading(Ids.TRAJECTORIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +52,9 @@ class GroupIds:
 
 def ids_for_mode(reduction: str) -> str | None:
     """Which ids ``reduction`` weights by: ``"group"`` (needed), ``"trajectory"`` (optional)
-    or None."""
-    if reduction == "group_mean":
-        return "group"
-    return "trajectory" if reduction in TRAJECTORY_MODES else None
+    or None (the record's :class:`~megatron_lossfix.modes.Ids`); ``ValueError`` for an unknown
+    name."""
+    return mode_of(reduction).ids.value
 
 
 def id_count(count: object, count_name: str) -> int:
@@ -135,8 +136,9 @@ def bad_id_message(groups: GroupIds, k: int) -> str:
 
 
 def missing_group_ids_message(ids_key: str = "group_ids", count_key: str = "num_groups") -> str:
+    modes = quoted_with_aliases(modes_reading(Ids.PROMPT_GROUPS))
     return (
-        f"reduction 'group_mean' (prompt_mean) needs each sequence's group id: put {ids_key!r} "
+        f"reduction {modes} needs each sequence's group id: put {ids_key!r} "
         f"(one integer per sequence) and the id range {count_key!r} into every micro-batch "
         "(loss_weights: group_ids= and num_groups=)"
     )

@@ -48,15 +48,12 @@ import torch.distributed as dist
 
 from megatron_lossfix.group_ids import GroupIds, group_tokens
 from megatron_lossfix.groups import group_size
+from megatron_lossfix.modes import Count, KeptPart, mode_of
 from megatron_lossfix.reduction import StepCounts, weights_from_counts
 
 __all__ = ["KeptCounts", "KeptStep", "Phase", "kept_weights", "weighted_stats"]
 
 _COUNT_DTYPE = torch.float64
-#: Modes whose weights need a sequence's (or micro-batch's) whole kept count inside the loss.
-_ROW_MODES = ("sequence_mean", "token_mean_legacy")
-#: Modes whose weights need no global kept count.
-_LOCAL_MODES = ("sum", "token_mean_legacy")
 #: The counts a kept step adds to the agreement after the schedule (see :meth:`KeptStep.local`).
 NUM_COUNTS = 3
 
@@ -81,9 +78,10 @@ def phase_for(
     micro-batches, which no scale after the schedule can apply (counted first)."""
     if not mask_in_loss:
         return Phase.ZERO
-    if counting_pass or grouped or mode == "group_mean":
+    factors = mode_of(mode).kept  # None: a mode that counts its kept masks first
+    if counting_pass or grouped or factors is None:
         return Phase.COUNT
-    if mode in _LOCAL_MODES:
+    if factors.divides_by is None:
         return Phase.LOCAL
     return Phase.COUNT if side_paths else Phase.DEFERRED
 
@@ -260,7 +258,7 @@ class KeptStep:
     def _row_sum_in_loss(self) -> bool:
         return (
             self.phase in (Phase.LOCAL, Phase.DEFERRED)
-            and self.mode in _ROW_MODES
+            and mode_of(self.mode).kept.whole_sequences
             and self.cp_size > 1
         )
 
@@ -278,22 +276,16 @@ class KeptStep:
         self.seq_kept[k], self.whole[k] = counts, True
 
     def _local_factor(self, k: int, seg: torch.Tensor | None) -> torch.Tensor | float:
-        """The part of the mode's weight that the micro-batch knows (module docstring)."""
-        if self.mode == "token_mean" or self.mode == "sum":
-            return 1.0
-        if self.mode == "seq_mean_token_sum_norm":
-            return 1.0 / float(self.norm_constant)
-        one = torch.ones((), dtype=_COUNT_DTYPE, device=self.seq_kept[k].device)
-        if self.mode == "token_mean_legacy":
-            scale = float(len(self.rows) * self.dp_size)
-            return (one / (self.seq_kept[k].sum().clamp(min=1) * scale)).float()
-        if self.mode == "sequence_mean":
-            inv = (one / self.seq_kept[k].clamp(min=1)).float()
-            return inv[:, None] if seg is None else inv[seg]
-        raise ValueError(
-            f"reduction {self.mode!r} cannot normalize by a mask decided in the loss without a "
-            "counting pass (LossFixConfig.counting_pass)"
+        """The part of the mode's weight that the micro-batch knows (module docstring); only
+        ``LOCAL`` and ``DEFERRED`` steps ask, whose modes have kept factors (:func:`phase_for`)."""
+        part = KeptPart(
+            seq_kept=self.seq_kept[k],
+            segments=seg,
+            num_microbatches=len(self.rows),
+            dp_size=self.dp_size,
+            norm_constant=self.norm_constant,
         )
+        return mode_of(self.mode).kept.local(part)
 
     def _replayed(self, k: int, weights: torch.Tensor) -> torch.Tensor:
         replay = self.replay[k]
@@ -425,9 +417,10 @@ def deferred_scale(mode: str, per_token: bool, counts: KeptCounts) -> tuple[floa
     the loss scale is the mode's global factor (1/N, 1/S); Megatron's per-token path has
     already divided the gradients by N (the kept tokens it was handed), which the gradient
     scale undoes. Zero counts give 1 (the gradient is zero then anyway): never NaN."""
+    factors = mode_of(mode).kept
+    if factors is None or factors.divides_by is None:
+        raise ValueError(f"reduction {mode!r} waits for no global count (no DEFERRED step)")
     n = max(counts.num_tokens, 1.0)
-    if mode == "token_mean":
-        loss = 1.0 / n
-    else:  # sequence_mean, seq_mean_token_sum_norm
-        loss = 1.0 / max(counts.num_sequences or 0.0, 1.0)
+    global_counts = {Count.N: n, Count.S: max(counts.num_sequences or 0.0, 1.0)}
+    loss = 1.0 / global_counts[factors.divides_by]
     return (loss * n if per_token else loss), loss

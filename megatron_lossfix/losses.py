@@ -26,6 +26,7 @@ from megatron_lossfix.group_ids import (
 )
 from megatron_lossfix.groups import group_size, same_on_every_rank
 from megatron_lossfix.kept import kept_weights
+from megatron_lossfix.modes import Ids, mode_of, modes_reading
 from megatron_lossfix.reduction import (
     REDUCTIONS,
     bad_mask_message,
@@ -126,14 +127,13 @@ def loss_weights(
     groups = _group_ids(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
     if groups is not None:
         _agree_on_ids(groups, dp_group, cp_group)
-    global_counts = reduction in (
-        "token_mean",
-        "sequence_mean",
-        "seq_mean_token_sum_norm",
-        "group_mean",
-    )
+    # Counts over the whole step where the mode reads any; else each rank's own masks.
     counts = count_tokens(
-        masks, global_counts=global_counts, dp_group=dp_group, cp_group=cp_group, groups=groups
+        masks,
+        global_counts=bool(mode_of(reduction).global_counts),
+        dp_group=dp_group,
+        cp_group=cp_group,
+        groups=groups,
     )
     return weights_from_counts(masks, counts, reduction, norm_constant=norm_constant)
 
@@ -154,7 +154,7 @@ def _group_ids(
     }
     for kind, (ids, count, name, count_name) in given.items():
         if kind != wanted and (ids is not None or count is not None):
-            users = "group_mean" if kind == "group" else "sequence_mean, seq_mean_token_sum_norm"
+            users = ", ".join(modes_reading(Ids(kind)))
             raise ValueError(
                 f"{name}/{count_name} apply only to {users}, not {reduction}; drop them or "
                 "change the reduction"

@@ -1,4 +1,5 @@
-"""The modes and their settings, and masks -> counts -> weights (pure torch, docs/design.md §2).
+"""Masks -> counts -> weights (pure torch, docs/design.md §2); each mode's own rule is its record
+in :mod:`megatron_lossfix.modes`.
 
 A step's loss is ``L = sum_{s,t} w[s,t] * l[s,t]`` over the whole mini-batch. The weights ``w``
 come from the step's loss masks: loss tokens are counted per sequence and per micro-batch, the
@@ -13,201 +14,42 @@ loss tokens are also counted per group, over every micro-batch and every DP and 
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.group_ids import (
-    GroupIds,
-    group_tokens,
-    ids_for_mode,
-    missing_group_ids_message,
-)
+# LossFixConfig and the mode names lived here before: importing them from here keeps working.
+from megatron_lossfix.config import LossFixConfig, check_mode
+from megatron_lossfix.group_ids import GroupIds, group_tokens, missing_group_ids_message
 from megatron_lossfix.groups import group_size
-
-#: The plugin's modes (docs/design.md §2).
-REDUCTIONS: tuple[str, ...] = (
-    "token_mean",
-    "sequence_mean",
-    "seq_mean_token_sum_norm",
-    "sum",
-    "token_mean_legacy",
-    "group_mean",
+from megatron_lossfix.modes import (
+    ALIASES,
+    MODES,
+    REDUCTIONS,
+    canonical_mode,
+    mode_of,
 )
-#: Other names of modes: SkyRL calls ``group_mean`` over prompt groups ``prompt_mean``.
-ALIASES: dict[str, str] = {"prompt_mean": "group_mean"}
-#: Every accepted ``--loss-reduction``: the modes, and ``off`` (stock Megatron).
-MODES: tuple[str, ...] = (*REDUCTIONS, "off")
+
+__all__ = [
+    "ALIASES",
+    "MODES",
+    "REDUCTIONS",
+    "LossFixConfig",
+    "StepCounts",
+    "bad_mask_message",
+    "bad_mask_values",
+    "canonical_mode",
+    "check_mode",
+    "count_tokens",
+    "float_masks",
+    "segment_ids",
+    "shifted_masks",
+    "weights_from_counts",
+]
+
 _COUNT_DTYPE = torch.float64
-
-
-def canonical_mode(reduction: str) -> str:
-    """The mode an alias names (``prompt_mean`` -> ``group_mean``); other names unchanged."""
-    return ALIASES.get(reduction, reduction)
-
-
-def check_mode(reduction: object, norm_constant: object, modes: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` for an unknown mode or a bad, missing or misplaced constant.
-
-    ``modes`` lists the accepted names; an alias of one of them is accepted too."""
-    if isinstance(reduction, str) and ALIASES.get(reduction) in modes:
-        reduction = ALIASES[reduction]
-    if not isinstance(reduction, str) or reduction not in modes:
-        aliases = ", ".join(f"{a} = {m}" for a, m in ALIASES.items() if m in modes)
-        raise ValueError(
-            f"unknown loss reduction {reduction!r} (--loss-reduction); choose one of {modes}"
-            + (f" (aliases: {aliases})" if aliases else "")
-        )
-    uses_constant = reduction == "seq_mean_token_sum_norm"
-    if norm_constant is None:
-        if uses_constant:
-            raise ValueError(
-                "reduction 'seq_mean_token_sum_norm' needs norm_constant (e.g. the maximum "
-                "response length); pass --loss-norm-constant"
-            )
-        return
-    if not uses_constant:
-        raise ValueError(
-            "norm_constant (--loss-norm-constant) applies only to reduction "
-            f"seq_mean_token_sum_norm, not {reduction}; drop it or change the reduction"
-        )
-    if isinstance(norm_constant, bool) or not isinstance(norm_constant, numbers.Real):
-        raise ValueError(
-            f"norm_constant (--loss-norm-constant) must be a number, got {norm_constant!r}"
-        )
-    if not (math.isfinite(norm_constant) and norm_constant > 0):
-        raise ValueError(
-            f"norm_constant (--loss-norm-constant) must be > 0 and finite, got {norm_constant!r}"
-        )
-
-
-@dataclass(kw_only=True, slots=True)
-class LossFixConfig:
-    """How the plugin normalizes the loss of one optimizer step (flags: ``args.from_args``)."""
-
-    reduction: str = "token_mean"
-    """One of ``MODES``; ``off`` leaves Megatron's per-micro-batch mean (stock)."""
-
-    norm_constant: float | None = None
-    """C of ``seq_mean_token_sum_norm`` (Dr. GRPO), e.g. the maximum response length; > 0."""
-
-    loss_mask_key: str = "loss_mask"
-    """Key of the ``[batch, seq]`` 0/1 loss mask in each micro-batch dict from the iterator."""
-
-    weights_key: str = "loss_weights"
-    """Key under which the plugin puts the float32 per-token weights into each micro-batch."""
-
-    cu_seqlens_key: str = "cu_seqlens"
-    """Key of a packed (THD) micro-batch's cumulative sequence lengths: its ``[1, T]`` mask
-    holds several sequences, each counted as its own. Without it each row is a sequence."""
-
-    group_ids_key: str = "group_ids"
-    """Key of each sequence's group id (``group_mean``: a prompt's id, the same for all its
-    responses), an integer tensor with one entry per row (packed: per ``cu_seqlens`` sequence),
-    in ``[0, batch[num_groups_key])`` and global over the step."""
-
-    num_groups_key: str = "num_groups"
-    """Key of the step's group id range (an int, the same in every micro-batch and on every
-    rank); groups without a loss token in the step neither contribute nor count."""
-
-    trajectory_ids_key: str = "trajectory_ids"
-    """Key of each sequence's trajectory id, like ``group_ids_key``: where given, the sequence
-    modes weight trajectories (a trajectory split into several rows counts once)."""
-
-    num_trajectories_key: str = "num_trajectories"
-    """Key of the step's trajectory id range, like ``num_groups_key``."""
-
-    data_is_cp_sharded: bool = False
-    """True when the iterator yields this rank's context-parallel shard of each sequence; False
-    (Megatron-LM's convention) when ``forward_step`` slices whole sequences with
-    ``slice_batch_for_cp`` (the weights are sliced along)."""
-
-    validate: bool = True
-    """Refuse masks holding values other than 0 and 1, and ranks that disagree on the mode, on
-    every rank at once (rides on the step's count all-reduce; one device sync per step)."""
-
-    check_finite: bool = False
-    """Raise, naming micro-batch and tensor, on a NaN/Inf floating input, loss or report entry
-    (device syncs per micro-batch: for debugging). Plugin modes only."""
-
-    mask_in_loss: bool = False
-    """What a token the loss drops (``kept_weights``, ``weighted_loss(keep=)``, ``rl_objective``'s
-    masks) means: False, its loss is zeroed and it still counts in the normalization; True, it
-    leaves every count of the mode, exactly under every layout (docs/design.md §10)."""
-
-    counting_pass: bool = False
-    """With ``mask_in_loss``: always learn the kept counts from a forward-only pass before the
-    step (one extra forward), instead of scaling the gradients once after Megatron's schedule.
-    The step takes that path by itself where the scale would be wrong (MoE auxiliary losses,
-    multi-token prediction)."""
-
-    self_check: bool | None = None
-    """At the first training step, re-run its data split into other micro-batches and raise
-    ``SelfCheckError`` when the gradient changes (a forward-only pass and one or two extra
-    passes, once, no copy of the gradient): it catches a loss function that returns a mean
-    instead of the weighted sum. ``None`` (the default): on
-    in every mode but ``off`` and ``token_mean_legacy``, skipped silently where the step
-    cannot be re-split or an integration cannot run it; ``True``: on, and refused (or warned
-    about) where it cannot run; ``False``: off (``--no-lossfix-self-check``)."""
-
-    self_check_tolerance: float = 1e-5
-    """The largest relative L2 gradient change the self-check accepts (about 1e-2 with bf16)."""
-
-    def __post_init__(self) -> None:
-        # The one validation: the flags (``args.from_args``) come through here too.
-        check_mode(self.reduction, self.norm_constant, MODES)
-        self.reduction = canonical_mode(self.reduction)
-        switches = {
-            "validate": "--lossfix-no-validate",
-            "check_finite": "--lossfix-check-finite",
-            "data_is_cp_sharded": "no flag",
-            "self_check": "--[no-]lossfix-self-check",
-            "mask_in_loss": "--lossfix-mask-in-loss",
-            "counting_pass": "--lossfix-counting-pass",
-        }
-        for name, flag in switches.items():
-            value, default = getattr(self, name), " or None (the default)" * (name == "self_check")
-            if not isinstance(value, bool) and not (default and value is None):
-                raise ValueError(f"{name} ({flag}) must be True or False{default}, got {value!r}")
-        keys = (
-            "loss_mask_key",
-            "weights_key",
-            "cu_seqlens_key",
-            "group_ids_key",
-            "num_groups_key",
-            "trajectory_ids_key",
-            "num_trajectories_key",
-        )
-        for name in keys:
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string (a batch key), got {value!r}")
-        tol = self.self_check_tolerance
-        if (
-            isinstance(tol, bool)
-            or not isinstance(tol, (int, float))
-            or not (math.isfinite(tol) and tol > 0)
-        ):
-            raise ValueError(
-                "self_check_tolerance (--lossfix-self-check-tolerance) must be a finite number "
-                f"> 0, got {tol!r}"
-            )
-        if self.loss_mask_key == self.weights_key:
-            raise ValueError("loss_mask_key and weights_key must differ")
-        if self.mask_in_loss and self.reduction == "off":
-            raise ValueError(
-                "mask_in_loss (--lossfix-mask-in-loss) needs a plugin mode: with "
-                "--loss-reduction off Megatron normalizes as stock; pick a mode or drop the flag"
-            )
-        if self.counting_pass and not self.mask_in_loss:
-            raise ValueError(
-                "counting_pass (--lossfix-counting-pass) applies only with mask_in_loss "
-                "(--lossfix-mask-in-loss); add that flag or drop this one"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,57 +176,14 @@ def weights_from_counts(
 ) -> list[torch.Tensor]:
     """Float32 per-token weights from float32 masks and the step's counts. Denominators are
     clamped to 1 where the numerator is 0 anyway: no weight is ever NaN or Inf."""
-    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
-    if counts.group_tokens is not None and ids_for_mode(reduction) is not None:
-        return _group_weights(masks, counts, reduction, norm_constant, segment_ids)
-    if reduction == "group_mean":
+    mode = mode_of(reduction)
+    if mode.stock:
+        raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+    if counts.group_tokens is not None and mode.group_weights is not None:
+        return mode.group_weights(masks, counts, norm_constant, segment_ids)
+    if mode.weights is None:  # a mode that needs its ids, and the step has none
         raise ValueError(missing_group_ids_message())
-    if reduction == "sum":
-        return [m.clone() for m in masks]
-    if reduction == "token_mean":
-        inv = (one / counts.num_tokens.clamp(min=1)).float()
-        return [m * inv for m in masks]
-    if reduction == "seq_mean_token_sum_norm":
-        inv = (one / (counts.num_sequences.clamp(min=1) * float(norm_constant))).float()
-        return [m * inv for m in masks]
-    if reduction == "token_mean_legacy":
-        scale = float(len(counts.seq_tokens) * counts.dp_size)
-        inv = (one / (counts.mb_tokens.clamp(min=1) * scale)).float()
-        return [m * inv[k] for k, m in enumerate(masks)]
-    if reduction == "sequence_mean":
-        out = []
-        for k, m in enumerate(masks):
-            inv_seq = one / (counts.seq_tokens[k].clamp(min=1) * counts.num_sequences.clamp(min=1))
-            seg = None if segment_ids is None else segment_ids[k]
-            out.append(m * (inv_seq.float()[:, None] if seg is None else inv_seq.float()[seg]))
-        return out
-    raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
-
-
-def _group_weights(
-    masks: Sequence[torch.Tensor],
-    counts: StepCounts,
-    reduction: str,
-    norm_constant: float | None,
-    segment_ids: Sequence[torch.Tensor | None] | None,
-) -> list[torch.Tensor]:
-    """The weights over groups: G groups with a loss token, n_g tokens of group g.
-    ``group_mean`` and ``sequence_mean`` over trajectories: ``m / (G * n_g)``;
-    ``seq_mean_token_sum_norm`` over trajectories: ``m / (G * C)``."""
-    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
-    n_group = counts.group_tokens.to(counts.num_tokens.device)
-    num_groups = (n_group > 0).sum(dtype=_COUNT_DTYPE).clamp(min=1)
-    if reduction == "seq_mean_token_sum_norm":
-        inv = (one / (num_groups * float(norm_constant))).float()
-        return [m * inv for m in masks]
-    inv_group = one / (n_group.clamp(min=1) * num_groups)
-    out = []
-    for k, m in enumerate(masks):
-        ids = counts.group_ids[k].to(device=inv_group.device, dtype=torch.long)
-        inv_seq = inv_group[ids].float().to(m.device)
-        seg = None if segment_ids is None else segment_ids[k]
-        out.append(m * (inv_seq[:, None] if seg is None else inv_seq[seg]))
-    return out
+    return mode.weights(masks, counts, norm_constant, segment_ids)
 
 
 def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_lossfix.metrics import reduce_step_metrics
+from megatron_lossfix.modes import DEFAULT_MODE
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.selfcheck import first_step_check
 from megatron_lossfix.step import Step, StepRecord
@@ -44,7 +45,7 @@ class LossFixSchedule:
             config = LossFixConfig(reduction=config)
         elif not isinstance(config, LossFixConfig):
             raise TypeError(
-                "LossFixSchedule takes a LossFixConfig or a mode name such as 'token_mean', "
+                f"LossFixSchedule takes a LossFixConfig or a mode name such as {DEFAULT_MODE!r}, "
                 f"got {type(config).__name__} {config!r:.60}; build one with "
                 "LossFixConfig(reduction=...) (from flags: schedule_from_args(args))"
             )

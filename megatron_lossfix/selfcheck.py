@@ -39,13 +39,11 @@ from megatron_lossfix.megatron_compat import (
     resolve_groups,
 )
 from megatron_lossfix.microbatch_resplit import resplit, resplit_plan
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step import Step
 
 __all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
-
-#: Modes whose gradient depends on the micro-batch split by definition.
-_SPLIT_DEPENDENT = ("off", "token_mean_legacy")
 
 
 class SelfCheckError(RuntimeError):
@@ -57,7 +55,7 @@ def first_step_check(config: LossFixConfig) -> SelfCheck | None:
     default (None) in a mode whose gradient depends on the split."""
     wanted = config.self_check
     if wanted is None:
-        wanted = config.reduction not in _SPLIT_DEPENDENT
+        wanted = not mode_of(config.reduction).split_dependent
     return SelfCheck(config) if wanted else None
 
 
@@ -418,7 +416,7 @@ def _how(m: int, plan: tuple | None) -> str:
 def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) -> str | None:
     """Why the step cannot be checked (the same on every rank), or None: its gradient depends
     on the split by design, or the model holds no parameters to compare."""
-    if reduction in _SPLIT_DEPENDENT:
+    if reduction is not None and mode_of(reduction).split_dependent:
         return (
             f"reduction {reduction!r} depends on the micro-batch split by definition "
             "(Megatron's mean of per-micro-batch means)"

@@ -41,6 +41,7 @@ import megatron_lossfix.reduction as reduction
 from megatron_lossfix.agreement import Problem
 from megatron_lossfix.counting_pass import counting_pass
 from megatron_lossfix.kept import Phase
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.step_after import after_schedule, agree_kept
 from megatron_lossfix.step_agree import agree_counts
@@ -90,7 +91,7 @@ class Step:
             num_microbatches=call["num_microbatches"],
             pg_collection=self.pg_collection if given is None else given,
         )
-        if self.config.reduction == "off":
+        if mode_of(self.config.reduction).stock:
             result = self._stock(call, record)
         else:
             result = self._plugin(call, record)

@@ -37,6 +37,7 @@ import megatron_lossfix.reduction as reduction
 from megatron_lossfix.group_ids import GroupIds
 from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.kept import KeptCounts, KeptStep, Phase
+from megatron_lossfix.modes import megatron_normalizes, mode_of
 from megatron_lossfix.mtp import MTPStep
 from megatron_lossfix.reduction import LossFixConfig, StepCounts
 
@@ -92,9 +93,8 @@ class StepRecord:
     def passthrough(self) -> bool:
         """Whether the loss tuples go to Megatron unchanged: ``off``, and ``token_mean`` on
         Megatron's per-token path, whose division by the all-reduced N already is the mode."""
-        mode = self.config.reduction
-        per_token_mean = mode == "token_mean" and self.per_token and not self.config.mask_in_loss
-        return mode == "off" or per_token_mean
+        normalized = megatron_normalizes(mode_of(self.config.reduction), self.per_token)
+        return normalized and not self.config.mask_in_loss  # stock has no mask_in_loss
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import ALIASES, MODES
 
 pytestmark = pytest.mark.unit
@@ -74,11 +75,11 @@ def test_flags_absent_mean_plugin_absent():
 @pytest.mark.parametrize("mode", MODES)
 def test_each_mode_round_trips(mode):
     argv = ["--loss-reduction", mode]
-    if mode == "seq_mean_token_sum_norm":
+    if mode_of(mode).uses_constant:
         argv += ["--loss-norm-constant", "512"]
     config = from_args(add_lossfix_args(argparse.ArgumentParser()).parse_args(argv))
     assert isinstance(config, LossFixConfig) and config.reduction == mode
-    assert config.norm_constant == (512 if mode == "seq_mean_token_sum_norm" else None)
+    assert config.norm_constant == (512 if mode_of(mode).uses_constant else None)
 
 
 @pytest.mark.parametrize("alias", sorted(ALIASES))

@@ -11,6 +11,7 @@ import torch
 
 from megatron_lossfix import REDUCTIONS, LossFixConfig, add_lossfix_args, loss_weights
 from megatron_lossfix.args import from_args
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import MODES
 
 pytestmark = pytest.mark.unit
@@ -22,7 +23,7 @@ def test_modes_are_the_reductions_and_off():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_builds(mode):
-    norm = 8.0 if mode == "seq_mean_token_sum_norm" else None
+    norm = 8.0 if mode_of(mode).uses_constant else None
     config = LossFixConfig(reduction=mode, norm_constant=norm)
     assert (config.reduction, config.norm_constant) == (mode, norm)
 
@@ -123,7 +124,7 @@ def test_schedule_takes_a_config_or_a_mode_name_only():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("mode", [m for m in REDUCTIONS if m != "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", [m for m in REDUCTIONS if not mode_of(m).uses_constant])
 def test_loss_weights_refuses_a_constant_its_mode_ignores(mode):
     with pytest.raises(ValueError, match="applies only to"):
         loss_weights([torch.ones(1, 3)], mode, norm_constant=5.0)

@@ -19,6 +19,7 @@ from megatron_lossfix.kept import (
     weighted_stats,
 )
 from megatron_lossfix.losses import weighted_sum
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import REDUCTIONS, float_masks
 
 pytestmark = pytest.mark.unit
@@ -27,7 +28,7 @@ NORM = 5.0
 
 
 def _norm(mode):
-    return NORM if mode == "seq_mean_token_sum_norm" else None
+    return NORM if mode_of(mode).uses_constant else None
 
 
 def _data(seed, shapes=((3, 7), (1, 7), (4, 7))):

@@ -46,7 +46,7 @@ ENTRY_POINTS = (f"{PACKAGE}.__main__", f"{PACKAGE}.patches")
 #: Runtime modules that stay plain PyTorch (the process groups, the group ids, the weights, the
 #: losses and the step's agreement): no Megatron import, lazy or not. Names not present are
 #: ignored; at least one must be.
-PURE = ("groups", "group_ids", "reduction", "losses", "agreement", "kept")
+PURE = ("groups", "group_ids", "modes", "config", "reduction", "losses", "agreement", "kept")
 
 
 def _module_name(path: Path) -> str:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS, loss_weights
+from megatron_lossfix.modes import mode_of
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +36,7 @@ def test_reductions_are_the_contract():
 def _kwargs(mode: str, masks: list, norm_constant: float = 3.0) -> dict:
     """What ``mode`` needs beside the masks: the constant, or group ids (row r of every
     micro-batch in group r % 2)."""
-    if mode == "seq_mean_token_sum_norm":
+    if mode_of(mode).uses_constant:
         return {"norm_constant": norm_constant}
     if mode == "group_mean":
         ids = [torch.arange(m.shape[0]) % 2 for m in masks]

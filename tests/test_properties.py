@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from megatron_lossfix import REDUCTIONS, loss_weights
 from megatron_lossfix.group_ids import GroupIds, ids_for_mode
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import count_tokens, weights_from_counts
 
 pytestmark = pytest.mark.unit
@@ -346,7 +347,7 @@ def test_public_loss_weights_matches_the_simulation(case: tuple, mode: str, as_b
     step, (split,), (pad,) = case
     ranks = _layout(step, split, pad)
     flat = [mb for mbs in ranks for mb in mbs]
-    kwargs = {"norm_constant": NORM_CONSTANT} if mode == "seq_mean_token_sum_norm" else {}
+    kwargs = {"norm_constant": NORM_CONSTANT} if mode_of(mode).uses_constant else {}
     rank_ids = _key_layout(step, split)
     flat_ids = [ids for mbs in rank_ids for ids in mbs]
     keys = None

@@ -26,6 +26,7 @@ from megatron_lossfix.audit.oracle import (
     row_settings,
 )
 from megatron_lossfix.audit.tiny_gpt import Layout
+from megatron_lossfix.modes import mode_of
 from megatron_lossfix.reduction import canonical_mode
 
 __all__ = [
@@ -177,7 +178,7 @@ def reference_key(case: OracleCase, mode: str, plan: Plan) -> tuple[str, str, Pl
     mode's reference) under ``plan`` in :func:`compute_references`."""
     mode = row_settings(mode)[0]
     # OracleCase holds dicts (unhashable); its repr lists every field, so it identifies the case.
-    if mode == "token_mean_legacy":
+    if mode != "off" and mode_of(mode).split_dependent:  # its weights depend on the plan
         return (repr(case), mode, plan)
     return (repr(case), "token_mean" if mode == "off" else canonical_mode(mode), None)
 

@@ -262,19 +262,20 @@ def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]]
     ``group_mean`` (``prompt_mean``) over the global batch's prompt groups. Every rank computes
     them for the whole mini-batch it holds (``rank_local``)."""
     from megatron_lossfix.losses import loss_weights
-    from megatron_lossfix.reduction import canonical_mode
+    from megatron_lossfix.modes import Ids, mode_of
 
-    target = "token_mean" if mode == "off" else canonical_mode(mode)
+    target = "token_mean" if mode == "off" else mode_of(mode).name
+    record = mode_of(target)
 
     def weights_of(mask: torch.Tensor) -> torch.Tensor:
         ranges, kwargs = id_ranges(case), {"rank_local": True}
-        if target == "group_mean":
+        if record.ids is Ids.PROMPT_GROUPS:
             ids = prompt_groups(mask.shape[0])[0].to(mask.device)
             kwargs |= {"group_ids": [ids], "num_groups": ranges["num_groups"]}
-        elif case.trajectory_rows and target in ("sequence_mean", "seq_mean_token_sum_norm"):
+        elif case.trajectory_rows and record.ids is Ids.TRAJECTORIES:
             ids = torch.arange(mask.shape[0], device=mask.device) // case.trajectory_rows
             kwargs |= {"trajectory_ids": [ids], "num_trajectories": ranges["num_trajectories"]}
-        if target != "token_mean_legacy":
+        if not record.split_dependent:
             return loss_weights([mask], target, norm_constant=case.norm_for(target), **kwargs)[0]
         rank_masks = torch.split(mask, [sum(sizes) for sizes in plan])
         return torch.cat(

@@ -119,9 +119,13 @@ class OracleCase:
         return {**kwargs, "norm_constant": self.norm_for(mode)}
 
     def norm_for(self, mode: str) -> float | None:
-        """The ``norm_constant`` to pass with ``mode``: C for ``seq_mean_token_sum_norm``, None
-        for every other mode (which refuses a constant it would ignore)."""
-        return self.norm_constant if mode == "seq_mean_token_sum_norm" else None
+        """The ``norm_constant`` to pass with ``mode``: C for a mode that takes it
+        (``seq_mean_token_sum_norm``), None for every other mode (which refuses a constant it
+        would ignore)."""
+        from megatron_lossfix.modes import ALIASES, MODES, mode_of
+
+        known = mode in MODES or mode in ALIASES
+        return self.norm_constant if known and mode_of(mode).uses_constant else None
 
 
 def make_global_batch(case: OracleCase, vocab_size: int) -> dict[str, torch.Tensor]:

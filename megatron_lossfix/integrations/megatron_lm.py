@@ -57,6 +57,7 @@ from megatron_lossfix.megatron_compat import (
     resolve_groups,
     slice_batch_for_cp,
 )
+from megatron_lossfix.modes import megatron_normalizes, mode_of
 from megatron_lossfix.reduction import LossFixConfig
 from megatron_lossfix.schedule import LossFixSchedule
 from megatron_lossfix.selfcheck import first_step_check
@@ -185,9 +186,10 @@ class MegatronLMLossFix:
         chunks = model if isinstance(model, list) else [model]
         per_token = bool(get_model_config(chunks[0]).calculate_per_token_loss)
         cfg = self.config
-        # Same rule as LossFixSchedule: these modes use the mask as the weights and leave the
-        # normalization to Megatron, so the report keeps Megatron-LM's [sum, num_tokens].
-        self._streaming = cfg.reduction == "off" or (per_token and cfg.reduction == "token_mean")
+        # The rule of LossFixSchedule's passthrough: these modes use the mask as the weights and
+        # leave the normalization to Megatron, so the report keeps Megatron-LM's [sum,
+        # num_tokens] (under mask_in_loss too, as before: the report is not the weights).
+        self._streaming = megatron_normalizes(mode_of(cfg.reduction), per_token)
         groups = resolve_groups(kwargs.get("pg_collection"))
         self._sft_scale = None
         if self.sft_evaluation:
@@ -251,7 +253,7 @@ class MegatronLMLossFix:
             if batch is None and inner is not None:
                 batch = inner.last
             weights = batch.get(weights_key) if isinstance(batch, Mapping) else None
-            if weights is None or self.config.reduction == "off":
+            if weights is None or mode_of(self.config.reduction).stock:
                 return output, loss_func  # not the loss chunk, or stock Megatron
             if (
                 isinstance(batch, Mapping)
@@ -373,10 +375,8 @@ def _route_evaluation(config: LossFixConfig, args: argparse.Namespace) -> None:
     mode under ``--sft``, where ``evaluate()`` averages per-micro-batch means instead. ``off``
     stays stock. Wrapping the module attribute, as for ``train_step``, affects this run only.
     """
-    if config.reduction == "off" or (
-        config.reduction == "token_mean" and not getattr(args, "sft", False)
-    ):
-        return
+    if megatron_normalizes(mode_of(config.reduction), per_token=not getattr(args, "sft", False)):
+        return  # evaluate() pools [loss, tokens] without --sft: Megatron's per-token division
     try:
         from megatron.training import training
     except ImportError:  # megatron-core alone: no Megatron-LM evaluate() to route

@@ -41,6 +41,7 @@ from megatron_lossfix.args import from_args
 from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
+from megatron_lossfix.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
 from megatron_lossfix.reduction import LossFixConfig
 
 __all__ = [
@@ -54,10 +55,16 @@ __all__ = [
     "wrap_forward_backward_func",
 ]
 
-#: The modes Megatron-LM's RL loop honours (``off``: stock). A mode added to the plugin is
-#: refused here until the RL micro-batches carry what it needs (:func:`rl_micro_batch`).
-RL_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum",
-            "token_mean_legacy", "group_mean", "prompt_mean", "off")  # fmt: skip
+#: The ids the RL micro-batches carry (:func:`rl_micro_batch`: each row's GRPO group; no
+#: trajectory ids, which the sequence modes take only where given).
+RL_IDS = (Ids.NONE, Ids.PROMPT_GROUPS, Ids.TRAJECTORIES)
+#: The modes Megatron-LM's RL loop honours (``off``: stock), with their aliases: those whose
+#: ids the RL micro-batches carry. A mode that needs more is refused here until they do.
+RL_MODES: tuple[str, ...] = (
+    *(m.name for m in MODE_RECORDS if not m.stock and m.ids in RL_IDS),
+    *(a for a, m in ALIASES.items() if mode_of(m).ids in RL_IDS),
+    STOCK,
+)
 
 #: Where the plugin's micro-batch dict keeps the item ``train_rl.forward_step`` reads.
 ITEM_KEY = "megatron_lm_rl_item"
@@ -178,12 +185,12 @@ def _rl_micro_batches(source: Any, config: LossFixConfig) -> Iterator[dict]:
     """:func:`rl_micro_batch` of each item of ``source`` (an iterator: Megatron-LM's
     ``RerunDataIterator`` has ``__next__`` only), with the rows' groups for ``group_mean``."""
     groups = None
-    if config.reduction == "group_mean":
+    if mode_of(config.reduction).ids is Ids.PROMPT_GROUPS:
         record = megatron_lm_rl_groups.step_groups(source)
         if record is None:
             raise ValueError(
-                "megatron_lossfix: --loss-reduction group_mean needs the rollout groups of "
-                "prepare_data_for_update; apply our patch to this Megatron-LM checkout "
+                f"megatron_lossfix: --loss-reduction {config.reduction} needs the rollout "
+                "groups of prepare_data_for_update; apply our patch to this Megatron-LM checkout "
                 "(python -m megatron_lossfix.patches apply PATH)"
             )
         groups = (config.group_ids_key, config.num_groups_key, record)
@@ -219,7 +226,7 @@ class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
             output, loss_func = forward_step_func(items, model, *args, **kwargs)
             batch = None if items is None else items.last
             weights = batch.get(weights_key) if isinstance(batch, Mapping) else None
-            if weights is None or self.config.reduction == "off":
+            if weights is None or mode_of(self.config.reduction).stock:
                 return output, loss_func  # not the loss stage, or stock Megatron-LM
             if not megatron_lm.accepts_kwarg(loss_func, megatron_lm.LOSS_KWARG):
                 raise TypeError(
