@@ -4,25 +4,33 @@ Loss functions return plain weighted sums; the weights carry the step's normaliz
 from global token and sequence counts reduced once per step; the schedule hook undoes Megatron's
 internal averaging. The same gradient results under any micro-batch size and parallel layout.
 
-The package's top level is the runtime (config, weights, losses, the Megatron step); below it sit
-``integrations`` (Megatron-LM, Megatron Bridge, the patch tool), ``rl`` (objective, policy losses,
-log-prob kernel) and ``audit`` (what ``python -m megatron_lossfix audit`` runs). Importing the
-package does not import Megatron: the modules imported here call it lazily, and the subpackages
-that import it at module level are imported by name. docs/design.md §6 maps every module.
+One layer per folder, dependencies pointing down: ``runtime`` (the config, the table of modes,
+masks -> counts -> weights, the losses; no Megatron), ``step`` (the Megatron step) beside
+``harness`` (Megatron-Core on CPU), the flags (``args``), ``integrations`` (Megatron-LM, Megatron
+Bridge, the patch tool, the RL frameworks), ``rl`` (objective, policy losses, log-prob kernel)
+and ``audit`` (what ``python -m megatron_lossfix audit`` runs). Importing the package does not
+import Megatron: the modules imported here call it lazily, and the subpackages that import it at
+module level are imported by name. docs/design.md §6 maps every module.
 """
 
-from megatron_lossfix.agreement import StepRefused
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
 from megatron_lossfix.args import add_lossfix_args, schedule_from_args
-from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.cpu_compat import enable_cpu_megatron
-from megatron_lossfix.kept import kept_weights
-from megatron_lossfix.losses import loss_weights, weighted_loss
-from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.modes import REDUCTIONS
+from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron
 from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.rl.objective import RLObjective, grpo_advantages, rl_objective
-from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.selfcheck import SelfCheckError
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.losses import loss_weights, weighted_loss
+from megatron_lossfix.runtime.mask_in_loss import kept_weights
+from megatron_lossfix.runtime.modes import REDUCTIONS
+from megatron_lossfix.step.agreement import StepRefused
+from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
+from megatron_lossfix.step.schedule import LossFixSchedule
+from megatron_lossfix.step.selfcheck import SelfCheckError
 
 __all__ = [
     "REDUCTIONS",
@@ -44,3 +52,50 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Modules that stood at the package root before the runtime moved into layer folders: their old
+#: addresses keep working, with a DeprecationWarning, for one release (CHANGELOG.md).
+MOVED_MODULES = {
+    f"{__name__}.{old}": f"{__name__}.{new}"
+    for old, new in {
+        "agreement": "step.agreement",
+        "counting_pass": "step.counting_pass",
+        "cpu_compat": "harness.cpu_megatron",
+        "group_ids": "runtime.prompt_groups",
+        "groups": "runtime.process_groups",
+        "kept": "runtime.mask_in_loss",
+        "losses": "runtime.losses",
+        "megatron_compat": "step.megatron_compat",
+        "metrics": "step.metrics",
+        "mtp": "step.mtp",
+        "reduction": "runtime.weights",
+        "schedule": "step.schedule",
+        "selfcheck": "step.selfcheck",
+        "wrappers": "step.wrappers",
+    }.items()
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves a moved module's old address: the new module itself, after a warning."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
+        if fullname in MOVED_MODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):  # noqa: ANN001, ANN201
+        new = MOVED_MODULES[spec.name]
+        warnings.warn(
+            f"{spec.name} moved to {new}; the old address goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        """The module was executed under its new name."""
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

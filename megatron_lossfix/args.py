@@ -18,9 +18,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.config import LossFixConfig
-from megatron_lossfix.modes import ALIASES, MODE_RECORDS, MODES, STOCK, describe_modes
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, MODES, STOCK, describe_modes
+from megatron_lossfix.step.schedule import LossFixSchedule
 
 __all__ = [
     "add_lossfix_args",

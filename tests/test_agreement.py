@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixConfig, LossFixSchedule, StepRefused
-from megatron_lossfix.agreement import (
+from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.runtime.weights import MODES
+from megatron_lossfix.step.agreement import (
     Agreement,
     Problem,
     ProblemOnAnotherRank,
     StepSettings,
     agree,
 )
-from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.reduction import MODES
 
 pytestmark = pytest.mark.unit
 
@@ -150,7 +150,7 @@ def test_cp_sharded_data_with_mtp_is_refused_before_any_collective(monkeypatch):
     def resolve_groups(pg_collection):
         raise Reached
 
-    monkeypatch.setattr("megatron_lossfix.megatron_compat.resolve_groups", resolve_groups)
+    monkeypatch.setattr("megatron_lossfix.step.megatron_compat.resolve_groups", resolve_groups)
 
     def call(config, mtp_layers):
         model = SimpleNamespace(config=SimpleNamespace(mtp_num_layers=mtp_layers))

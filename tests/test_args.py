@@ -9,8 +9,8 @@ import pytest
 
 from megatron_lossfix import LossFixConfig
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import ALIASES, MODES
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.weights import ALIASES, MODES
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_schedule_from_args_without_the_flag_is_stock():
 
 def test_schedule_from_args_takes_the_mode_and_the_self_check():
     from megatron_lossfix import LossFixSchedule
-    from megatron_lossfix.selfcheck import SelfCheck
+    from megatron_lossfix.step.selfcheck import SelfCheck
 
     plain = _schedule(["--loss-reduction", "sequence_mean", "--lossfix-no-validate"])
     assert isinstance(plain, LossFixSchedule)

@@ -78,7 +78,7 @@ def test_audit_passes_and_writes_outputs(dist_pool, tmp_path, capsys):
 
 def _double_scaled_loss(weights, output_tensor, **_):
     """A classic bug: the loss divides the plugin-weighted sum by its own token count again."""
-    from megatron_lossfix.losses import weighted_sum
+    from megatron_lossfix.runtime.losses import weighted_sum
 
     num_tokens = (weights != 0).sum(dtype=int)
     return weighted_sum(output_tensor, weights) / num_tokens.clamp(min=1), num_tokens, {}
@@ -87,7 +87,7 @@ def _double_scaled_loss(weights, output_tensor, **_):
 def _double_scaled_layout_grads(*args, **kwargs):
     # Runs inside the pool's ranks, which the whole test session shares: patch, then restore.
     # The oracle's forward step looks weighted_loss up in its module on every call.
-    import megatron_lossfix.losses as losses
+    import megatron_lossfix.runtime.losses as losses
 
     original = losses.weighted_loss
     losses.weighted_loss = _double_scaled_loss
@@ -199,7 +199,7 @@ def test_module_help():
 
 def _unscaled_layout_grads(*args, **kwargs):
     """The deferred normalization removed: a mask_in_loss step leaves its gradients unscaled."""
-    import megatron_lossfix.step_after as step_after
+    import megatron_lossfix.step.after as step_after
 
     original = step_after.deferred_scale
     step_after.deferred_scale = lambda *a, **k: (1.0, 1.0)

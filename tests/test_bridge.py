@@ -411,7 +411,7 @@ def test_bridge_cu_seqlens_formats():
 @pytest.mark.unit
 def test_packed_bridge_batch_counts_each_sequence():
     """sequence_mean over a packed Bridge row weighs each packed sequence like its own row."""
-    from megatron_lossfix.reduction import count_tokens, segment_ids, weights_from_counts
+    from megatron_lossfix.runtime.weights import count_tokens, segment_ids, weights_from_counts
 
     mask = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.float32)
     packed = {"loss_mask": mask, "cu_seqlens": torch.tensor([[0, 4, 8, 10, -1]])}

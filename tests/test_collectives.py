@@ -243,7 +243,7 @@ def _plugin_forward_step(data_iterator: Any, model: Any) -> tuple:
     from megatron.core import parallel_state as ps
 
     from megatron_lossfix import slice_batch_for_cp
-    from megatron_lossfix.losses import weighted_loss
+    from megatron_lossfix.runtime.losses import weighted_loss
 
     batch = slice_batch_for_cp(next(data_iterator), ps.get_context_parallel_group())
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -293,8 +293,8 @@ def _step_counts(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.reduction import LossFixConfig
-    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.runtime.config import LossFixConfig
+    from megatron_lossfix.step.schedule import LossFixSchedule
 
     chunks, optimizer, mbs = _rank_setup(layout, per_token, empty_last_dp_rank)
     micro_batch_size = mbs[0]["tokens"].shape[0]

@@ -11,8 +11,8 @@ import torch
 
 from megatron_lossfix import REDUCTIONS, LossFixConfig, add_lossfix_args, loss_weights
 from megatron_lossfix.args import from_args
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.weights import MODES
 
 pytestmark = pytest.mark.unit
 

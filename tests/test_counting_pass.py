@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lossfix.counting_pass import counting_pass
+from megatron_lossfix.step.counting_pass import counting_pass
 
 pytestmark = pytest.mark.unit
 

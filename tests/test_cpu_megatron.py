@@ -125,7 +125,7 @@ def _fail_on_rank(rank: int) -> int:
 def _world_info(tag: str) -> tuple[str, int, int, bool]:
     import torch.distributed as dist
 
-    from megatron_lossfix.cpu_compat import is_cpu_mode
+    from megatron_lossfix.harness.cpu_megatron import is_cpu_mode
 
     return tag, dist.get_rank(), dist.get_world_size(), is_cpu_mode()
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers.prompt_groups import PROMPT_ROWS, SEQ, global_batch, skyrl_prompt_mean
 
 from megatron_lossfix import REDUCTIONS, loss_weights
-from megatron_lossfix.reduction import ALIASES, MODES
+from megatron_lossfix.runtime.weights import ALIASES, MODES
 
 DP, MICRO_BATCHES, ROWS_PER_MB = 2, 3, 2
 
@@ -345,7 +345,7 @@ def test_trajectories_split_into_rows_count_once_under_every_layout(dist_pool, n
 def _local_group_counts(*args, **kwargs):
     """The oracle's layout step with each rank's per-group counts left local (the all-reduce
     over DP x CP skipped): what the step would do without its group all-reduce."""
-    import megatron_lossfix.step_agree as step_agree
+    import megatron_lossfix.step.agree as step_agree
     from megatron_lossfix.audit.oracle import layout_grads
 
     real = step_agree._group_tokens

@@ -11,10 +11,10 @@ import torch
 from helpers.wrappers import measured_layout_grads
 
 from megatron_lossfix import REDUCTIONS
-from megatron_lossfix.agreement import StepRefused
 from megatron_lossfix.audit.matrix import check_layout
 from megatron_lossfix.audit.oracle import OracleCase, relative_error
 from megatron_lossfix.audit.tiny_gpt import Layout
+from megatron_lossfix.step.agreement import StepRefused
 
 pytestmark = pytest.mark.oracle
 
@@ -251,8 +251,8 @@ def test_data_parallel_wrappers(dist_pool, wrapper, per_token, report_figure):
 
 def _proven(wrapper: str) -> bool:
     """Whether the plugin serves ``wrapper`` at the installed release (Megatron DDP: always)."""
-    from megatron_lossfix.megatron_compat import megatron_core_version
-    from megatron_lossfix.wrappers import MEGATRON_FSDP_PROVEN
+    from megatron_lossfix.step.megatron_compat import megatron_core_version
+    from megatron_lossfix.step.wrappers import MEGATRON_FSDP_PROVEN
 
     strategy = WRAPPERS[wrapper].get(FSDP)
     release = megatron_core_version().release[:2]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixConfig, loss_weights, weighted_loss
-from megatron_lossfix.group_ids import GroupIds
-from megatron_lossfix.kept import (
+from megatron_lossfix.runtime.losses import weighted_sum
+from megatron_lossfix.runtime.mask_in_loss import (
     KeptCounts,
     KeptStep,
     Phase,
@@ -18,9 +18,9 @@ from megatron_lossfix.kept import (
     phase_for,
     weighted_stats,
 )
-from megatron_lossfix.losses import weighted_sum
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import REDUCTIONS, float_masks
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.prompt_groups import GroupIds
+from megatron_lossfix.runtime.weights import REDUCTIONS, float_masks
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS, loss_weights
-from megatron_lossfix.modes import mode_of
+from megatron_lossfix.runtime.modes import mode_of
 
 pytestmark = pytest.mark.unit
 
@@ -187,7 +187,7 @@ def test_value_errors(masks, mode, kwargs, match):
 
 
 def test_segment_ids_follow_cu_seqlens_and_pad_into_one_extra_segment():
-    from megatron_lossfix.reduction import segment_ids
+    from megatron_lossfix.runtime.weights import segment_ids
 
     segments, num = segment_ids(torch.tensor([0, 3, 5]), 7)
     assert segments.tolist() == [[0, 0, 0, 1, 1, 2, 2]]  # positions 5, 6: padding

@@ -1,4 +1,4 @@
-"""megatron_lossfix.losses vs plain-PyTorch references written beside them.
+"""megatron_lossfix.runtime.losses vs plain-PyTorch references written beside them.
 
 The references loop over elements in fp64 and share no code with the module: ``weighted_sum`` is
 ``sum(w * l)`` over the tokens with a non-zero weight (whatever the others hold), and
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_lossfix.losses import weighted_loss, weighted_sum
+from megatron_lossfix.runtime.losses import weighted_loss, weighted_sum
 
 pytestmark = pytest.mark.unit
 

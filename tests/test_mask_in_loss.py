@@ -188,7 +188,7 @@ def _kept_step(
     from megatron_lossfix.audit.oracle_case import id_ranges
     from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.losses import weighted_sum
+    from megatron_lossfix.runtime.losses import weighted_sum
 
     layout = parse_layout(name)
     parallel = init_layout(layout.parallel())

@@ -23,8 +23,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from megatron_lossfix import megatron_compat
 from megatron_lossfix.audit.tiny_gpt import Layout, init_layout
+from megatron_lossfix.step import megatron_compat
 
 pytestmark = pytest.mark.oracle
 
@@ -195,8 +195,8 @@ def _cp_slices(layout: Layout, seq: int) -> tuple[int, list[float], list[float],
     from megatron.core import parallel_state as ps
 
     from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
-    from megatron_lossfix.megatron_compat import resolve_groups
-    from megatron_lossfix.reduction import LossFixConfig
+    from megatron_lossfix.runtime.config import LossFixConfig
+    from megatron_lossfix.step.megatron_compat import resolve_groups
 
     init_layout(layout)
     positions = torch.arange(seq, dtype=torch.float32)[None, :]

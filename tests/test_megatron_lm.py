@@ -26,14 +26,14 @@ from helpers.megatron_lm_run import (
 )
 from test_examples import max_rel_diff
 
-from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.integrations.megatron_lm import (
     LOSS_KEY,
     MegatronLMLossFix,
     add_args_provider,
     wrap_forward_backward_func,
 )
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups
 
 NO_GROUPS = StepGroups(dp=None, cp=None, dp_cp=None, pp=None)
 

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl, megatron_lm_rl_groups
 from megatron_lossfix.integrations.megatron_lm import add_args_provider
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "megatron_lm_rl.md"

@@ -1,4 +1,5 @@
-"""The step's metrics (megatron_lossfix.metrics) vs plain-PyTorch references written beside them.
+"""The step's metrics (megatron_lossfix.step.metrics) vs plain-PyTorch references written beside
+them.
 
 One rank, no process groups (``StepGroups`` of ``None``: nothing is communicated), so the
 functions are pure: a step's record in, the step's numbers out. The references are
@@ -16,10 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.metrics import reduce_step_metrics, scalar_stats
-from megatron_lossfix.reduction import LossFixConfig, count_tokens
-from megatron_lossfix.step import StepRecord
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.runtime.weights import count_tokens
+from megatron_lossfix.step.driver import StepRecord
+from megatron_lossfix.step.metrics import reduce_step_metrics, scalar_stats
 
 pytestmark = pytest.mark.unit
 

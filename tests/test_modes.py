@@ -1,5 +1,5 @@
-"""The table of modes (``megatron_lossfix.modes``): complete, the only place that names a mode,
-and what docs/modes.md, the flags and the audit list."""
+"""The table of modes (``megatron_lossfix.runtime.modes``): complete, the only place that names a
+mode, and what docs/modes.md, the flags and the audit list."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lossfix import modes
-from megatron_lossfix.modes import (
+from megatron_lossfix.runtime import modes
+from megatron_lossfix.runtime.modes import (
     ALIAS_RECORDS,
     ALIASES,
     DEFAULT_MODE,
@@ -193,7 +193,7 @@ def test_global_counts_say_when_rank_local_counts_differ(mode):
     step's weights (what ``loss_weights`` relies on to skip the all-reduce): two ranks' halves
     with different token and sequence counts, weighed with their own counts and with the
     step's, against the whole batch weighed on one rank."""
-    from megatron_lossfix.reduction import count_tokens, weights_from_counts
+    from megatron_lossfix.runtime.weights import count_tokens, weights_from_counts
 
     gen = torch.Generator().manual_seed(7)
     masks = [(torch.rand(3, 8, generator=gen) < p).float() for p in (0.9, 0.8, 0.3, 0.2)]

@@ -21,8 +21,8 @@ from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.audit.matrix import check_layout
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.tiny_gpt import Layout
-from megatron_lossfix.megatron_compat import megatron_core_version
-from megatron_lossfix.reduction import shifted_masks
+from megatron_lossfix.runtime.weights import shifted_masks
+from megatron_lossfix.step.megatron_compat import megatron_core_version
 
 pytestmark = pytest.mark.oracle
 

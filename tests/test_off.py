@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_lossfix import LossFixSchedule
-from megatron_lossfix.groups import StepGroups
+from megatron_lossfix.runtime.process_groups import StepGroups
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +64,7 @@ def test_off_hands_over_the_callers_objects_and_returns_the_result_untouched(mon
 
     # step_metrics() reads the reports Megatron returned, and only them.
     monkeypatch.setattr(
-        "megatron_lossfix.megatron_compat.resolve_groups",
+        "megatron_lossfix.step.megatron_compat.resolve_groups",
         lambda pg: StepGroups(dp=None, cp=None, dp_cp=None, pp=None),
     )
     assert schedule.step_metrics() == {"loss_sum": 1.75, "tokens_count": 5.0}

@@ -64,14 +64,16 @@ def test_contract_names_are_top_level():
                  "enable_cpu_megatron", "slice_batch_for_cp", "StepRefused", "SelfCheckError",
                  "weighted_loss", "add_lossfix_args", "schedule_from_args"):  # fmt: skip
         assert name in megatron_lossfix.__all__, name
-    assert megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.cpu_compat"
+    assert (
+        megatron_lossfix.enable_cpu_megatron.__module__ == "megatron_lossfix.harness.cpu_megatron"
+    )
 
 
 @pytest.mark.parametrize(
     "module, name",
     [
         ("megatron_lossfix.args", "from_args"),
-        ("megatron_lossfix.losses", "weighted_sum"),
+        ("megatron_lossfix.runtime.losses", "weighted_sum"),
         ("megatron_lossfix.rl.objective", "scale_advantages"),
         ("megatron_lossfix.rl.objective", "rl_loss"),
     ],

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_lossfix import REDUCTIONS, loss_weights
-from megatron_lossfix.group_ids import GroupIds, ids_for_mode
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import count_tokens, weights_from_counts
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.prompt_groups import GroupIds, ids_for_mode
+from megatron_lossfix.runtime.weights import count_tokens, weights_from_counts
 
 pytestmark = pytest.mark.unit
 

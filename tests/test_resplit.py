@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lossfix.selfcheck import resplit, resplit_plan
+from megatron_lossfix.step.selfcheck import resplit, resplit_plan
 
 pytestmark = pytest.mark.unit
 

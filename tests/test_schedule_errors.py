@@ -13,7 +13,7 @@ import torch
 from megatron_lossfix import LossFixConfig, weighted_loss
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
 from megatron_lossfix.audit.tiny_gpt import Layout
-from megatron_lossfix.losses import weighted_sum
+from megatron_lossfix.runtime.losses import weighted_sum
 
 pytestmark = pytest.mark.oracle
 
@@ -57,7 +57,7 @@ def _step(
     from megatron.core import parallel_state as ps
 
     from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
-    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.step.schedule import LossFixSchedule
 
     global SECOND_TOKEN
     init_layout(Layout())

@@ -16,7 +16,7 @@ from helpers.memory import MARK, tensor_peak
 from megatron_lossfix import LossFixConfig, LossFixSchedule, SelfCheckError
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.audit.tiny_gpt import Layout
-from megatron_lossfix.selfcheck import SelfCheck
+from megatron_lossfix.step.selfcheck import SelfCheck
 
 # ------------------------------------------------------------------------------ skipping
 
@@ -82,7 +82,7 @@ def test_self_check_from_flags():
 def test_recorder_reads_next_only_iterators_and_keeps_copies():
     """Megatron-LM wraps data in RerunDataIterator, which has ``__next__`` and no ``__iter__``;
     forward_step may pop keys from the dict it gets, which must not reach the record."""
-    from megatron_lossfix.counting_pass import recorded
+    from megatron_lossfix.step.counting_pass import recorded
 
     class NextOnly:
         def __init__(self, items):
@@ -131,7 +131,7 @@ def test_plugin_modes_check_their_first_step_by_default(reduction):
 
 def _double_scaled_loss(weights, output_tensor, **_):
     """The bug to catch: the plugin-weighted sum divided again by the micro-batch's tokens."""
-    from megatron_lossfix.losses import weighted_sum
+    from megatron_lossfix.runtime.losses import weighted_sum
 
     num_tokens = (weights != 0).sum(dtype=torch.int)
     return weighted_sum(output_tensor, weights) / num_tokens.clamp(min=1), num_tokens, {}
@@ -164,7 +164,7 @@ def _broadcast_first_stage_batch(data_iterator, rows: int) -> dict:
 def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model):
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.losses import weighted_loss
+    from megatron_lossfix.runtime.losses import weighted_loss
 
     counter[0] += 1
     if broadcast_rows and not ps.is_pipeline_last_stage():

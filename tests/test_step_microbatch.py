@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lossfix.group_ids import parse_group_ids
-from megatron_lossfix.groups import same_on_every_rank
-from megatron_lossfix.kept import KeptStep, Phase, kept_weights
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.step_microbatch import MicroBatches, PassLog, PassSettings, wrap_forward_step
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase, kept_weights
+from megatron_lossfix.runtime.process_groups import same_on_every_rank
+from megatron_lossfix.runtime.prompt_groups import parse_group_ids
+from megatron_lossfix.step.microbatch import MicroBatches, PassLog, PassSettings, wrap_forward_step
 
 pytestmark = pytest.mark.unit
 

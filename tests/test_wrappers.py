@@ -33,7 +33,7 @@ def _base() -> type:
 def test_torch_fsdp2_keeps_the_no_op_scale_and_is_refused():
     from megatron.core.distributed import TorchFullyShardedDataParallel
 
-    from megatron_lossfix.wrappers import INSTEAD, known_wrapper, wrapper_problem
+    from megatron_lossfix.step.wrappers import INSTEAD, known_wrapper, wrapper_problem
 
     # The fact the refusal rests on: a release that gives FSDP2 a scale fails here.
     assert TorchFullyShardedDataParallel.scale_gradients is _base().scale_gradients
@@ -49,7 +49,7 @@ def test_a_wrapper_without_its_own_scale_is_refused():
     class Sharded(_base()):
         pass
 
-    from megatron_lossfix.wrappers import wrapper_problem
+    from megatron_lossfix.step.wrappers import wrapper_problem
 
     message = wrapper_problem([_bare(Sharded)])
     assert message.startswith("the model's wrapper Sharded keeps _BaseDataParallel's no-op")
@@ -63,7 +63,7 @@ def test_an_unproven_wrapper_is_refused_even_with_a_scale():
             for param in self.parameters():
                 param.grad.mul_(scaling_factor)
 
-    from megatron_lossfix.wrappers import wrapper_problem
+    from megatron_lossfix.step.wrappers import wrapper_problem
 
     message = wrapper_problem([_bare(Custom)])
     assert "Custom is not one whose gradient averaging and scale_gradients" in message
@@ -74,7 +74,7 @@ def test_the_proven_wrappers_pass():
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from megatron_lossfix.wrappers import known_wrapper, wrapper_problem
+    from megatron_lossfix.step.wrappers import known_wrapper, wrapper_problem
 
     ddp = _bare(DistributedDataParallel)
     assert wrapper_problem([ddp, torch.nn.Linear(1, 1)]) is None
@@ -91,7 +91,7 @@ def test_the_proven_wrappers_pass():
 
 @pytest.mark.unit
 def test_a_scale_that_leaves_the_gradient_unchanged_is_caught():
-    from megatron_lossfix import wrappers
+    from megatron_lossfix.step import wrappers
 
     class Idle(_base()):
         def scale_gradients(self, scaling_factor: float) -> None:

@@ -26,8 +26,8 @@ from megatron_lossfix.audit.oracle import (
     row_settings,
 )
 from megatron_lossfix.audit.tiny_gpt import Layout
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import canonical_mode
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.weights import canonical_mode
 
 __all__ = [
     "AUDIT_LAYOUTS",

@@ -17,7 +17,7 @@ from megatron_lossfix.audit.matrix import (
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE, COUNTING_PASS
 from megatron_lossfix.audit.stacks import STACKS, load_stack
-from megatron_lossfix.reduction import ALIASES, MODES
+from megatron_lossfix.runtime.weights import ALIASES, MODES
 
 __all__ = [
     "DEFAULT_LAYOUTS",

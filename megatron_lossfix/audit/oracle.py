@@ -88,7 +88,7 @@ def _rl_loss(case: OracleCase, batch: dict, weights: torch.Tensor, logits: torch
 
 
 def _forward_step(case: OracleCase, num_microbatches: int, data_iterator: Any, model: Any) -> tuple:
-    from megatron_lossfix.losses import weighted_loss
+    from megatron_lossfix.runtime.losses import weighted_loss
 
     batch = next(data_iterator)
     output = _model_output(case, model, batch)
@@ -143,7 +143,7 @@ def _cp_slicing_forward_step(inner: Any, data_iterator: Any, model: Any) -> tupl
     (and the weights with them) for this CP rank."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.megatron_compat import slice_batch_for_cp
+    from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 
     cp_group = ps.get_context_parallel_group()
 
@@ -186,7 +186,7 @@ def _local_microbatches(
     """This rank's micro-batches of the global batch (CP-sharded or packed as the case says)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.megatron_compat import slice_batch_for_cp
+    from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     plan = microbatch_plan(case, dp, num_microbatches)
@@ -211,8 +211,8 @@ def layout_grads(
 
     from megatron_lossfix.audit import tiny_gpt
     from megatron_lossfix.audit.training import train_step
-    from megatron_lossfix.reduction import LossFixConfig
-    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.runtime.config import LossFixConfig
+    from megatron_lossfix.step.schedule import LossFixSchedule
 
     tiny_gpt.init_layout(layout)
     # Looked up on the module when called: tests may wrap it to inspect the chunks.
@@ -261,8 +261,8 @@ def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]]
     ``token_mean_legacy`` each DP rank's are those of its own micro-batches, divided by D; for
     ``group_mean`` (``prompt_mean``) over the global batch's prompt groups. Every rank computes
     them for the whole mini-batch it holds (``rank_local``)."""
-    from megatron_lossfix.losses import loss_weights
-    from megatron_lossfix.modes import Ids, mode_of
+    from megatron_lossfix.runtime.losses import loss_weights
+    from megatron_lossfix.runtime.modes import Ids, mode_of
 
     target = "token_mean" if mode == "off" else mode_of(mode).name
     record = mode_of(target)
@@ -324,7 +324,7 @@ def reference_grads(
         init_layout,
         set_deterministic_params,
     )
-    from megatron_lossfix.losses import weighted_sum
+    from megatron_lossfix.runtime.losses import weighted_sum
 
     layout = Layout()
     init_layout(layout)
@@ -417,7 +417,7 @@ def _capture_mtp_logits(model: Any, config: Any) -> Any:
 def _reference_mtp_losses(batch: dict, logits: list, weights_of: Any) -> list[torch.Tensor]:
     """``sum(w_j * l_j)`` of each MTP layer j: it predicts the label j positions ahead, with the
     mode's weights over the loss mask shifted by j."""
-    from megatron_lossfix.reduction import shifted_masks
+    from megatron_lossfix.runtime.weights import shifted_masks
 
     losses = []
     for j, layer_logits in enumerate(logits, start=1):

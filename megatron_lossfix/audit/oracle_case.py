@@ -122,7 +122,7 @@ class OracleCase:
         """The ``norm_constant`` to pass with ``mode``: C for a mode that takes it
         (``seq_mean_token_sum_norm``), None for every other mode (which refuses a constant it
         would ignore)."""
-        from megatron_lossfix.modes import ALIASES, MODES, mode_of
+        from megatron_lossfix.runtime.modes import ALIASES, MODES, mode_of
 
         known = mode in MODES or mode in ALIASES
         return self.norm_constant if known and mode_of(mode).uses_constant else None

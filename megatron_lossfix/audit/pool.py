@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from megatron_lossfix.cpu_compat import enable_cpu_megatron
+from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron
 
 # Seconds a worker may take to start (imports on a loaded machine), and extra seconds granted after
 # the first rank failed for the others to hit their collective timeout and report.
@@ -45,7 +45,7 @@ PRELOAD = (
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
-    "megatron_lossfix.cpu_compat",
+    "megatron_lossfix.harness.cpu_megatron",
 )
 
 

@@ -30,7 +30,7 @@ from megatron_lossfix.audit.training import (
     init_layout,
     transformer_config,
 )
-from megatron_lossfix.cpu_compat import is_cpu_mode
+from megatron_lossfix.harness.cpu_megatron import is_cpu_mode
 
 __all__ = [
     "Layout",

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.audit.seeded_params import set_deterministic_params
-from megatron_lossfix.cpu_compat import is_cpu_mode
+from megatron_lossfix.harness.cpu_megatron import is_cpu_mode
 
 __all__ = [
     "Layout",

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
 from megatron_lossfix.integrations.megatron_lm_batches import MasksToDevice
 from megatron_lossfix.integrations.megatron_lm_metrics import LOSS_KEY, record_numbers
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups
 
 __all__ = [
     "BridgeLossFix",

@@ -2,7 +2,7 @@
 
 Megatron Bridge asks for CUDA where Megatron-Core alone does not: its initialization asserts it,
 compiles dataset helpers and warms up CUDA fusion kernels, pins host memory and logs CUDA memory
-statistics. This module bridges those on top of :mod:`megatron_lossfix.cpu_compat` (the
+statistics. This module bridges those on top of :mod:`megatron_lossfix.harness.cpu_megatron` (the
 Megatron-Core CPU mode), and works around two import-time failures of a CPU install.
 Used by the Bridge example and its tests; GPU users never need it.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.cpu_compat import enable_cpu_megatron, with_one_device
+from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron, with_one_device
 
 __all__ = ["enable_cpu_bridge"]
 
@@ -172,10 +172,10 @@ def _patch_bridge() -> None:
 def enable_cpu_bridge(force: bool = False) -> bool:
     """Run Megatron Bridge's training loop (``pretrain``/``finetune``) on a machine without CUDA.
 
-    On top of :func:`~megatron_lossfix.cpu_compat.enable_cpu_megatron`: lets Bridge initialize
-    without CUDA, skips its dataset helper compilation and CUDA JIT warm-up, turns off pinned
-    memory, answers its memory bookkeeping, and works around two import-time failures of a CPU
-    install (Bridge's LoRA layers importing Transformer Engine; megatron-core rejecting
+    On top of :func:`~megatron_lossfix.harness.cpu_megatron.enable_cpu_megatron`: lets Bridge
+    initialize without CUDA, skips its dataset helper compilation and CUDA JIT warm-up, turns off
+    pinned memory, answers its memory bookkeeping, and works around two import-time failures of a
+    CPU install (Bridge's LoRA layers importing Transformer Engine; megatron-core rejecting
     nvidia-resiliency-ext older than 0.6).
 
     Call it first, before anything imports Megatron. A no-op where CUDA is available unless

@@ -1,7 +1,7 @@
 """Run Megatron-LM's training loop (``pretrain()`` in ``megatron/training``) without CUDA.
 
 What Megatron-LM's training package needs beyond the Megatron-Core CPU mode
-(:mod:`megatron_lossfix.cpu_compat`), for ``pretrain_gpt.py`` and for the training step of
+(:mod:`megatron_lossfix.harness.cpu_megatron`), for ``pretrain_gpt.py`` and for the training step of
 ``train_rl.py`` (its rollout generation needs the GPU inference engine and stays out of reach).
 Our Megatron-LM patches call :func:`enable_cpu_megatron_lm` before ``pretrain()``; on a machine
 with CUDA it does nothing.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.cpu_compat import enable_cpu_megatron, with_one_device
+from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron, with_one_device
 
 __all__ = ["enable_cpu_megatron_lm"]
 
@@ -26,8 +26,8 @@ _CPU_LM_ENABLED = False
 def enable_cpu_megatron_lm() -> bool:
     """Run Megatron-LM's ``pretrain()`` without CUDA; a no-op (returns False) when CUDA exists.
 
-    Beyond :func:`~megatron_lossfix.cpu_compat.enable_cpu_megatron` (device literals, streams,
-    RNG) Megatron-LM's training package needs: ``initialize_megatron`` asserts CUDA unless
+    Beyond :func:`~megatron_lossfix.harness.cpu_megatron.enable_cpu_megatron` (device literals,
+    streams, RNG) Megatron-LM's training package needs: ``initialize_megatron`` asserts CUDA unless
     ``allow_no_cuda``; ``_initialize_distributed`` and ``_set_random_seed`` build the
     model-parallel groups and seed the RNG tracker only when ``torch.cuda.device_count() > 0``;
     ``fused_kernels.load`` builds CUDA kernels with nvcc; the JIT warm-up compiles CUDA fusion

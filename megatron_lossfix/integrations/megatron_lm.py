@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.groups import StepGroups, group_size
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.integrations.megatron_lm_batches import (
     MasksToDevice,
@@ -51,16 +50,17 @@ from megatron_lossfix.integrations.megatron_lm_metrics import (
     record_numbers,
     record_train_steps,
 )
-from megatron_lossfix.losses import weighted_loss
-from megatron_lossfix.megatron_compat import (
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.losses import weighted_loss
+from megatron_lossfix.runtime.modes import megatron_normalizes, mode_of
+from megatron_lossfix.runtime.process_groups import StepGroups, group_size
+from megatron_lossfix.step.megatron_compat import (
     model_parallel_groups,
     resolve_groups,
     slice_batch_for_cp,
 )
-from megatron_lossfix.modes import megatron_normalizes, mode_of
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import LossFixSchedule
-from megatron_lossfix.selfcheck import first_step_check
+from megatron_lossfix.step.schedule import LossFixSchedule
+from megatron_lossfix.step.selfcheck import first_step_check
 
 __all__ = [
     "LOSS_KEY",

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from megatron_lossfix.args import from_args
-from megatron_lossfix.groups import StepGroups
 from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
-from megatron_lossfix.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
+from megatron_lossfix.runtime.process_groups import StepGroups
 
 __all__ = [
     "ITEM_KEY",

@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.step.schedule import LossFixSchedule
 
 # LossFixModelWrapper is made by the module's __getattr__, which imports SkyRL on first use.
 __all__ = [  # noqa: F822

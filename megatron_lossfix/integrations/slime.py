@@ -22,7 +22,7 @@ module when a step starts; forward-only passes keep Megatron's). Each training s
    micro-batch with ``cu_seqlens`` at the sample boundaries and, in slime's default setting,
    each sample's rollout (``rollout_ids``) as its group;
 2. runs slime's own ``forward_step`` (``get_batch``: packing, both context-parallel layouts;
-   the model call) under :class:`~megatron_lossfix.schedule.LossFixSchedule`;
+   the model call) under :class:`~megatron_lossfix.step.schedule.LossFixSchedule`;
 3. calls slime's own ``loss_function`` (policy, value, SFT or custom loss, TIS, OPSM, KL,
    entropy) with every reducer it builds replaced by the plain weighted sum ``sum(w * x)`` with
    the plugin's weights ``w``, so the loss is ``sum(w * pg) - entropy_coef * sum(w * entropy)
@@ -58,8 +58,8 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.step.schedule import LossFixSchedule
 
 __all__ = [
     "SLIME_MODES",
@@ -193,8 +193,8 @@ class _Reducers:
     Zeroed (default): a token a reducer's masks drop gets weight 0, its sample's weights stay
     the step's; OPSM zeroes the policy term itself. ``mask_in_loss``: the kept mask (the
     masks of the reducer the terms use, times slime's OPSM mask) goes through
-    :func:`~megatron_lossfix.kept.kept_weights` once, on this CP rank's tokens, so the dropped
-    tokens leave the step's counts and every term (policy, KL, entropy)."""
+    :func:`~megatron_lossfix.runtime.mask_in_loss.kept_weights` once, on this CP rank's tokens, so
+    the dropped tokens leave the step's counts and every term (policy, KL, entropy)."""
 
     def __init__(self, per_sample: list[torch.Tensor], batch: dict, mask_in_loss: bool) -> None:
         self.per_sample, self.batch, self.mask_in_loss = per_sample, batch, mask_in_loss
@@ -229,7 +229,7 @@ class _Reducers:
         return self._kept[1]
 
     def _kept_weights(self, loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        from megatron_lossfix.kept import kept_weights
+        from megatron_lossfix.runtime.mask_in_loss import kept_weights
 
         device = self.per_sample[0].device if self.per_sample else "cpu"
         local = _on_this_rank(self.batch, device)

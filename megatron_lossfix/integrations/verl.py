@@ -1,4 +1,5 @@
-"""verl: its Megatron training step through :class:`~megatron_lossfix.schedule.LossFixSchedule`.
+"""verl: its Megatron training step through
+:class:`~megatron_lossfix.step.schedule.LossFixSchedule`.
 
 verl (0.9.1) compensates Megatron's averaging by hand: ``agg_loss`` divides by a token count
 all-reduced over the data-parallel group and multiplies by ``dp_size``, and the engine's
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
 
 __all__ = [
     "ENV",
@@ -178,7 +179,7 @@ def _local_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
     path adds these counts over the data x context-parallel group."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_lossfix.megatron_compat import slice_batch_for_cp
+    from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 
     local = slice_batch_for_cp({"loss_mask": loss_mask}, mpu.get_context_parallel_group())
     return local["loss_mask"].sum().to(torch.int)
@@ -204,7 +205,7 @@ def forward_backward_batch(
     from verl.utils.megatron.pipeline_parallel import make_batch_generator
     from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-    from megatron_lossfix.schedule import LossFixSchedule
+    from megatron_lossfix.step.schedule import LossFixSchedule
 
     if engine.engine_config.dynamic_context_parallel:
         raise NotImplementedError(

@@ -2,11 +2,11 @@
 or per sequence) and off-policy sequence masking (docs/design.md §10).
 
 :func:`keep_mask` returns which loss tokens :func:`~megatron_lossfix.rl.objective.rl_objective`
-keeps; the objective hands it to :func:`~megatron_lossfix.kept.kept_weights`, so that with
-``LossFixConfig(mask_in_loss=True)`` the dropped tokens leave the normalization and otherwise
-their loss is zeroed. Decisions use detached values: a mask carries no gradient. A sequence is a
-row (as in GSPO); with context parallelism its statistics are summed over the CP group, one
-all-reduce per micro-batch and only where a sequence-level mask is asked for.
+keeps; the objective hands it to :func:`~megatron_lossfix.runtime.mask_in_loss.kept_weights`, so
+that with ``LossFixConfig(mask_in_loss=True)`` the dropped tokens leave the normalization and
+otherwise their loss is zeroed. Decisions use detached values: a mask carries no gradient. A
+sequence is a row (as in GSPO); with context parallelism its statistics are summed over the CP
+group, one all-reduce per micro-batch and only where a sequence-level mask is asked for.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.groups import group_size
 from megatron_lossfix.rl.policy_losses import at_least_fp32, token_advantages
+from megatron_lossfix.runtime.process_groups import group_size
 
 __all__ = ["check_band", "check_threshold", "keep_mask"]
 

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.kept import kept_weights, weighted_stats
 from megatron_lossfix.rl.logprobs import vocab_parallel_logprobs_entropy
 from megatron_lossfix.rl.masks import check_band, check_threshold, keep_mask
 from megatron_lossfix.rl.policy_losses import (
@@ -37,6 +36,7 @@ from megatron_lossfix.rl.policy_losses import (
     ppo_token_loss,
     token_advantages,
 )
+from megatron_lossfix.runtime.mask_in_loss import kept_weights, weighted_stats
 
 __all__ = [
     "KL_KINDS",

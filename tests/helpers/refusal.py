@@ -19,13 +19,13 @@ import time
 from functools import partial
 from typing import Any
 
-from megatron_lossfix.agreement import Agreement, StepSettings
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
 from megatron_lossfix.audit.oracle_case import id_ranges
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
-from megatron_lossfix.losses import weighted_loss
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.losses import weighted_loss
+from megatron_lossfix.step.agreement import Agreement, StepSettings
+from megatron_lossfix.step.schedule import LossFixSchedule
 
 CASES = (
     "none",

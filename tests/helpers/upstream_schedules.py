@@ -32,9 +32,9 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from megatron_lossfix.cpu_compat import enable_cpu_megatron
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.schedule import LossFixSchedule
+from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.step.schedule import LossFixSchedule
 
 SCHEDULES = (
     "forward_backward_no_pipelining",

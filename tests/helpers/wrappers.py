@@ -38,9 +38,9 @@ KINDS: dict[str, type | None] = {
 
 
 def wrapped_step(kind: str, num_microbatches: int = 2) -> tuple[str, str, bool]:
-    from megatron_lossfix import wrappers
-    from megatron_lossfix.agreement import StepRefused
     from megatron_lossfix.audit import oracle, tiny_gpt
+    from megatron_lossfix.step import wrappers
+    from megatron_lossfix.step.agreement import StepRefused
 
     original = tiny_gpt.build_tiny_gpt
     built: list[Any] = []
@@ -72,9 +72,9 @@ def wrapped_step(kind: str, num_microbatches: int = 2) -> tuple[str, str, bool]:
 def measured_layout_grads(*args: Any) -> Any:
     """``oracle.layout_grads`` with every Megatron-FSDP strategy taken as proven at the
     installed release: what the wrapper gives, to hold against ``MEGATRON_FSDP_PROVEN``."""
-    from megatron_lossfix import wrappers
     from megatron_lossfix.audit.oracle import layout_grads
-    from megatron_lossfix.megatron_compat import megatron_core_version
+    from megatron_lossfix.step import wrappers
+    from megatron_lossfix.step.megatron_compat import megatron_core_version
 
     release = megatron_core_version().release[:2]
     saved = dict(wrappers.MEGATRON_FSDP_PROVEN)

@@ -70,7 +70,7 @@ def slime_reference(
     """One rank, one forward pass: the gradient of the exact objective of ``mode`` and
     ``setting`` (module docstring; ``excluded``: the dropped tokens leave the normalization)."""
     from megatron_lossfix.audit.tiny_gpt import gather_full_grads, one_rank_tiny_gpt
-    from megatron_lossfix.losses import loss_weights
+    from megatron_lossfix.runtime.losses import loss_weights
 
     model, config = one_rank_tiny_gpt(case)
     data = sb.slime_rollout(case, config.vocab_size, mode)

@@ -16,7 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.group_ids import (
+from megatron_lossfix.runtime.mask_in_loss import kept_weights
+from megatron_lossfix.runtime.modes import Ids, mode_of, modes_reading
+from megatron_lossfix.runtime.process_groups import group_size, same_on_every_rank
+from megatron_lossfix.runtime.prompt_groups import (
     GroupIds,
     bad_id_message,
     bad_id_values,
@@ -24,10 +27,7 @@ from megatron_lossfix.group_ids import (
     missing_group_ids_message,
     parse_group_ids,
 )
-from megatron_lossfix.groups import group_size, same_on_every_rank
-from megatron_lossfix.kept import kept_weights
-from megatron_lossfix.modes import Ids, mode_of, modes_reading
-from megatron_lossfix.reduction import (
+from megatron_lossfix.runtime.weights import (
     REDUCTIONS,
     bad_mask_message,
     bad_mask_values,

@@ -1,6 +1,6 @@
 """The step's agreement before Megatron's schedule, with the step's counts riding in it.
 
-Every rank of the step agrees that it can run (:mod:`megatron_lossfix.agreement`); the same
+Every rank of the step agrees that it can run (:mod:`megatron_lossfix.step.agreement`); the same
 all-reduce carries the loss stage's token and sequence counts ``[N, S]`` (of the masks, then of
 each MTP layer's shifted masks) and, for the modes over group ids, the ids' range. What it
 returns is the step's global counts, each MTP layer's, and whether the weights are over group
@@ -14,9 +14,13 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-import megatron_lossfix.group_ids as group_ids
-import megatron_lossfix.reduction as reduction
-from megatron_lossfix.agreement import (
+import megatron_lossfix.runtime.prompt_groups as group_ids
+import megatron_lossfix.runtime.weights as reduction
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups, same_on_every_rank
+from megatron_lossfix.runtime.prompt_groups import GroupIds
+from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.step.agreement import (
     REFUSAL_PREFIX,
     Agreement,
     Problem,
@@ -24,10 +28,7 @@ from megatron_lossfix.agreement import (
     StepSettings,
     agree,
 )
-from megatron_lossfix.group_ids import GroupIds
-from megatron_lossfix.groups import StepGroups, same_on_every_rank
-from megatron_lossfix.reduction import LossFixConfig, StepCounts
-from megatron_lossfix.step_record import StepData
+from megatron_lossfix.step.record import StepData
 
 __all__ = ["AgreedCounts", "agree_counts"]
 

@@ -1,6 +1,6 @@
 """The self-check: the first step's gradient must not move when re-split (docs/design.md §9).
 
-The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.Step`, or what
+The check runs on top of the step: it calls it (:class:`~megatron_lossfix.step.driver.Step`, or what
 runs it, such as Megatron-LM's plumbing around it) re-split and normally, last, after learning
 what it reads (read ahead where the step reads all its micro-batches first, else in a
 forward-only pass), so that training goes on from the normal run with nothing to put back.
@@ -22,9 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
-from megatron_lossfix.agreement import StepRefused
-from megatron_lossfix.counting_pass import recorded, replaying, rng_restored
-from megatron_lossfix.gradient_sketch import (
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.process_groups import ModelParallelGroups, StepGroups, group_size
+from megatron_lossfix.step.agreement import StepRefused
+from megatron_lossfix.step.counting_pass import recorded, replaying, rng_restored
+from megatron_lossfix.step.driver import Step
+from megatron_lossfix.step.gradient_sketch import (
     BLOCK,
     HOW_MEASURED,
     Sketch,
@@ -32,16 +36,12 @@ from megatron_lossfix.gradient_sketch import (
     relative_error,
     sketch_gradients,
 )
-from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
-from megatron_lossfix.megatron_compat import (
+from megatron_lossfix.step.megatron_compat import (
     model_config_of,
     model_parallel_groups,
     resolve_groups,
 )
-from megatron_lossfix.microbatch_resplit import resplit, resplit_plan
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.step import Step
+from megatron_lossfix.step.microbatch_resplit import resplit, resplit_plan
 
 __all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
 

@@ -7,7 +7,7 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
   :func:`unreduced_gradients`, the structure that must reduce a step's gradients across
   data-parallel ranks; :func:`gradient_side_paths`, the terms a scale of the step's gradients
   after the schedule would also rescale. Which data-parallel wrappers the step relies on, and
-  their ``scale_gradients``: ``megatron_lossfix.wrappers``.
+  their ``scale_gradients``: ``megatron_lossfix.step.wrappers``.
 * ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
   ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
 * ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 
-from megatron_lossfix.groups import ModelParallelGroups, StepGroups, group_size
+from megatron_lossfix.runtime.process_groups import ModelParallelGroups, StepGroups, group_size
 
 #: The megatron-core releases the suite proves, as ``(lowest, first untested)``.
 TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.20.0"))

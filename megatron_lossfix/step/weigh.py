@@ -2,7 +2,7 @@
 ``kept_weights`` serves in this step, and the factor that undoes Megatron's averaging.
 
 Each function reads the step's record (filled by the phases before) and returns what it
-builds; the step driver writes it into the record (:mod:`megatron_lossfix.step_record`).
+builds; the step driver writes it into the record (:mod:`megatron_lossfix.step.record`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.megatron_compat as megatron_compat
-import megatron_lossfix.reduction as reduction
-from megatron_lossfix.agreement import default_device
-from megatron_lossfix.kept import KeptStep, Phase, phase_for
-from megatron_lossfix.mtp import MTPStep, mtp_step
-from megatron_lossfix.reduction import LossFixConfig, StepCounts
-from megatron_lossfix.step_record import StepData, StepRecord
+import megatron_lossfix.runtime.weights as reduction
+import megatron_lossfix.step.megatron_compat as megatron_compat
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase, phase_for
+from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.step.agreement import default_device
+from megatron_lossfix.step.mtp import MTPStep, mtp_step
+from megatron_lossfix.step.record import StepData, StepRecord
 
 __all__ = ["kept_phase", "kept_step", "loss_factor", "microbatch_weights", "mtp_weights"]
 
@@ -51,8 +52,8 @@ def mtp_weights(
 def kept_phase(
     config: LossFixConfig, model_config: Any, forward_only: bool, grouped: bool
 ) -> Phase:
-    """The step's :class:`~megatron_lossfix.kept.Phase`, the same on every rank: it depends on
-    the config, the model, the call and the agreed presence of group ids only. A
+    """The step's :class:`~megatron_lossfix.runtime.mask_in_loss.Phase`, the same on every rank: it
+    depends on the config, the model, the call and the agreed presence of group ids only. A
     ``mask_in_loss`` step counts in a pass of its own where asked to, where a gradient scale
     after the schedule would also rescale terms outside the loss, or where the weights are over
     groups (no one scale is right); a forward-only call (evaluation) without groups has no
@@ -63,7 +64,7 @@ def kept_phase(
 
 
 def kept_step(record: StepRecord, data: StepData) -> KeptStep:
-    """The loss stage's :class:`~megatron_lossfix.kept.KeptStep` for this step."""
+    """The loss stage's :class:`~megatron_lossfix.runtime.mask_in_loss.KeptStep` for this step."""
     groups = record.groups
     rows = [
         int(mask.shape[0]) if num is None else int(num)

@@ -4,18 +4,18 @@ once its kept counts are known.
 After Megatron's schedule (and after a counting pass) every rank learns whether the loss stage
 hit an error inside the schedule or a malformed kept mask, and the step is refused on every
 rank at once; the same all-reduce carries the counts of the masks the loss decided
-(:mod:`megatron_lossfix.kept`), by which a ``DEFERRED`` step scales its gradients once. Each
-function takes this rank's problem as an argument and returns what it learned.
+(:mod:`megatron_lossfix.runtime.mask_in_loss`), by which a ``DEFERRED`` step scales its gradients
+once. Each function takes this rank's problem as an argument and returns what it learned.
 """
 
 from __future__ import annotations
 
-import megatron_lossfix.megatron_compat as megatron_compat
-import megatron_lossfix.wrappers as wrappers
-from megatron_lossfix.agreement import REFUSAL_PREFIX, Agreement, Problem, StepRefused, agree
-from megatron_lossfix.kept import NUM_COUNTS as KEPT_COUNTS
-from megatron_lossfix.kept import KeptCounts, Phase, deferred_scale
-from megatron_lossfix.step_record import StepRecord
+import megatron_lossfix.step.megatron_compat as megatron_compat
+import megatron_lossfix.step.wrappers as wrappers
+from megatron_lossfix.runtime.mask_in_loss import NUM_COUNTS as KEPT_COUNTS
+from megatron_lossfix.runtime.mask_in_loss import KeptCounts, Phase, deferred_scale
+from megatron_lossfix.step.agreement import REFUSAL_PREFIX, Agreement, Problem, StepRefused, agree
+from megatron_lossfix.step.record import StepRecord
 
 __all__ = ["after_schedule", "agree_kept"]
 

@@ -1,10 +1,11 @@
 """``LossFixSchedule``: the drop-in ``forward_backward_func`` (docs/design.md §3, §5, §9).
 
 It composes three pieces that know nothing of one another's insides: the step
-(:class:`~megatron_lossfix.step.Step`: read, agree, weigh, wrap, scale), the self-check of the
-first training step unless the config opts out (:class:`~megatron_lossfix.selfcheck.SelfCheck`,
-which runs the step and keeps its record), and the step's global metrics
-(:func:`~megatron_lossfix.metrics.reduce_step_metrics` of that record).
+(:class:`~megatron_lossfix.step.driver.Step`: read, agree, weigh, wrap, scale), the self-check of
+the first training step unless the config opts out
+(:class:`~megatron_lossfix.step.selfcheck.SelfCheck`, which runs the step and keeps its record), and
+the step's global metrics (:func:`~megatron_lossfix.step.metrics.reduce_step_metrics` of that
+record).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from megatron_lossfix.metrics import reduce_step_metrics
-from megatron_lossfix.modes import DEFAULT_MODE
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.selfcheck import first_step_check
-from megatron_lossfix.step import Step, StepRecord
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.modes import DEFAULT_MODE
+from megatron_lossfix.step.driver import Step, StepRecord
+from megatron_lossfix.step.metrics import reduce_step_metrics
+from megatron_lossfix.step.selfcheck import first_step_check
 
 __all__ = ["LossFixSchedule"]
 

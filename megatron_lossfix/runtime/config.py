@@ -1,7 +1,7 @@
 """The plugin's settings for one training step: :class:`LossFixConfig` (docs/flags.md).
 
 Every setting is validated once, here: the flags (``args.from_args``) and the Python API refuse
-alike. The modes themselves are the records of :mod:`megatron_lossfix.modes`.
+alike. The modes themselves are the records of :mod:`megatron_lossfix.runtime.modes`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from megatron_lossfix.modes import (
+from megatron_lossfix.runtime.modes import (
     ALIASES,
     DEFAULT_MODE,
     MODE_RECORDS,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.groups import ModelParallelGroups, group_size
+from megatron_lossfix.runtime.process_groups import ModelParallelGroups, group_size
 
 __all__ = [
     "BLOCK",

@@ -6,26 +6,26 @@ caller's own arguments and returns its result unchanged. With a mode, one step, 
 module of its own that takes values and returns values:
 
 1. **read**: the loss stage (last pipeline stage) reads the step's micro-batches, their loss
-   masks and packed-sequence segments (:mod:`megatron_lossfix.step_read`);
+   masks and packed-sequence segments (:mod:`megatron_lossfix.step.read`);
 2. **agree**: every rank agrees that the step can run, the step's counts riding in the same
-   all-reduce (:mod:`megatron_lossfix.step_agree`, :mod:`megatron_lossfix.agreement`);
+   all-reduce (:mod:`megatron_lossfix.step.agree`, :mod:`megatron_lossfix.step.agreement`);
 3. **weigh**: each micro-batch gets its weights, ``batch[config.weights_key]``, and each MTP
-   layer its own (:mod:`megatron_lossfix.step_weigh`, :mod:`megatron_lossfix.mtp`);
+   layer its own (:mod:`megatron_lossfix.step.weigh`, :mod:`megatron_lossfix.step.mtp`);
 4. **wrap** and **scale**: Megatron's schedule runs; each loss tuple is checked and multiplied
    by what undoes Megatron's averaging, so the gradient is that of ``sum(w * l)``
-   (:mod:`megatron_lossfix.step_microbatch`);
+   (:mod:`megatron_lossfix.step.microbatch`);
 5. **after the schedule**: if a loss function failed inside it (the loss stage ran on with zero
    losses), a second agreement refuses the step on every rank; the same all-reduce carries the
-   counts of the masks the loss decided (:mod:`megatron_lossfix.kept`), by which a
-   ``mask_in_loss`` step scales its gradients once (:mod:`megatron_lossfix.step_after`).
+   counts of the masks the loss decided (:mod:`megatron_lossfix.runtime.mask_in_loss`), by which a
+   ``mask_in_loss`` step scales its gradients once (:mod:`megatron_lossfix.step.after`).
 
 With ``mask_in_loss`` and a model whose gradient has terms outside the loss (or
-``counting_pass``), a forward-only counting pass (:mod:`megatron_lossfix.counting_pass`) runs
+``counting_pass``), a forward-only counting pass (:mod:`megatron_lossfix.step.counting_pass`) runs
 between 3 and 4 and the counts agree before the real pass instead.
 
 Each step that goes through leaves its :class:`StepRecord` in :attr:`Step.last_step`: what the
-step's metrics reduce (:mod:`megatron_lossfix.metrics`) and the self-check keeps
-(:mod:`megatron_lossfix.selfcheck`); :mod:`megatron_lossfix.step_record` says which phase
+step's metrics reduce (:mod:`megatron_lossfix.step.metrics`) and the self-check keeps
+(:mod:`megatron_lossfix.step.selfcheck`); :mod:`megatron_lossfix.step.record` says which phase
 writes which field. Nothing in the micro-batch loop synchronizes with the host.
 Tensor-parallel peers are not part of the agreement: they read the same data and fail alike.
 """
@@ -36,19 +36,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import megatron_lossfix.megatron_compat as megatron_compat
-import megatron_lossfix.reduction as reduction
-from megatron_lossfix.agreement import Problem
-from megatron_lossfix.counting_pass import counting_pass
-from megatron_lossfix.kept import Phase
-from megatron_lossfix.modes import mode_of
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.step_after import after_schedule, agree_kept
-from megatron_lossfix.step_agree import agree_counts
-from megatron_lossfix.step_microbatch import MicroBatches, PassLog, PassSettings, wrap_forward_step
-from megatron_lossfix.step_read import model_settings, read_step_data, structure_problem
-from megatron_lossfix.step_record import StepData, StepRecord
-from megatron_lossfix.step_weigh import (
+import megatron_lossfix.runtime.weights as reduction
+import megatron_lossfix.step.megatron_compat as megatron_compat
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mask_in_loss import Phase
+from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.step.after import after_schedule, agree_kept
+from megatron_lossfix.step.agree import agree_counts
+from megatron_lossfix.step.agreement import Problem
+from megatron_lossfix.step.counting_pass import counting_pass
+from megatron_lossfix.step.microbatch import MicroBatches, PassLog, PassSettings, wrap_forward_step
+from megatron_lossfix.step.read import model_settings, read_step_data, structure_problem
+from megatron_lossfix.step.record import StepData, StepRecord
+from megatron_lossfix.step.weigh import (
     kept_phase,
     kept_step,
     loss_factor,

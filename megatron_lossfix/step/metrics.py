@@ -1,4 +1,5 @@
-"""The step's metrics: a :class:`~megatron_lossfix.step.StepRecord` reduced to global numbers.
+"""The step's metrics: a :class:`~megatron_lossfix.step.driver.StepRecord` reduced to global
+numbers.
 
 ``loss`` is L (docs/design.md §2), ``num_tokens`` N, ``num_sequences`` S, ``num_groups`` G
 (modes over group ids), ``mtp_loss_<j>`` each MTP layer's; the reports' 0-dim entries named
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-import megatron_lossfix.megatron_compat as megatron_compat
-from megatron_lossfix.groups import StepGroups, group_size
+import megatron_lossfix.step.megatron_compat as megatron_compat
+from megatron_lossfix.runtime.process_groups import StepGroups, group_size
 
 if TYPE_CHECKING:
-    from megatron_lossfix.step import StepRecord
+    from megatron_lossfix.step.driver import StepRecord
 
 
 def scalar_stats(reports: list[Any]) -> dict[str, list[torch.Tensor]]:

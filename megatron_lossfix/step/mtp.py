@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.megatron_compat import slice_batch_for_cp
-from megatron_lossfix.reduction import LossFixConfig, StepCounts, weights_from_counts
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.runtime.weights import StepCounts, weights_from_counts
+from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 
 
 @dataclass(slots=True)

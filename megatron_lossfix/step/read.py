@@ -3,7 +3,7 @@ and the loss stage's micro-batches with their masks, packed-sequence segments an
 
 What goes wrong here is a value, this rank's problem (a :class:`StepRefused` of one
 :class:`Problem` kind), which the step's first agreement tells every rank
-(:mod:`megatron_lossfix.step_agree`); settings that are the same on every rank and that the
+(:mod:`megatron_lossfix.step.agree`); settings that are the same on every rank and that the
 plugin cannot serve are refused at once.
 """
 
@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.group_ids as group_ids
-import megatron_lossfix.megatron_compat as megatron_compat
-import megatron_lossfix.reduction as reduction
-import megatron_lossfix.wrappers as wrappers
-from megatron_lossfix.agreement import REFUSAL_PREFIX, Problem, StepRefused
-from megatron_lossfix.group_ids import GroupIds
-from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.reduction import LossFixConfig
-from megatron_lossfix.step_record import StepData
+import megatron_lossfix.runtime.prompt_groups as group_ids
+import megatron_lossfix.runtime.weights as reduction
+import megatron_lossfix.step.megatron_compat as megatron_compat
+import megatron_lossfix.step.wrappers as wrappers
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.runtime.prompt_groups import GroupIds
+from megatron_lossfix.step.agreement import REFUSAL_PREFIX, Problem, StepRefused
+from megatron_lossfix.step.record import StepData
 
 __all__ = ["model_settings", "read_step_data", "structure_problem"]
 

@@ -1,5 +1,5 @@
 """Masks -> counts -> weights (pure torch, docs/design.md §2); each mode's own rule is its record
-in :mod:`megatron_lossfix.modes`.
+in :mod:`megatron_lossfix.runtime.modes`.
 
 A step's loss is ``L = sum_{s,t} w[s,t] * l[s,t]`` over the whole mini-batch. The weights ``w``
 come from the step's loss masks: loss tokens are counted per sequence and per micro-batch, the
@@ -7,9 +7,9 @@ per-sequence counts summed over the context-parallel group (a sequence is split 
 N and S over the data-parallel group (a sequence lives on one DP rank); never over TP or the
 world. Counts stay on the device, in float64 (float32 is exact only up to 2**24 tokens).
 
-Group counts (:class:`~megatron_lossfix.group_ids.GroupIds`): where sequences carry a group id
-global over the step (a prompt group for ``group_mean``, a trajectory for the sequence modes),
-loss tokens are also counted per group, over every micro-batch and every DP and CP rank.
+Group counts (:class:`~megatron_lossfix.runtime.prompt_groups.GroupIds`): where sequences carry a
+group id global over the step (a prompt group for ``group_mean``, a trajectory for the sequence
+modes), loss tokens are also counted per group, over every micro-batch and every DP and CP rank.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 
 # LossFixConfig and the mode names lived here before: importing them from here keeps working.
-from megatron_lossfix.config import LossFixConfig, check_mode
-from megatron_lossfix.group_ids import GroupIds, group_tokens, missing_group_ids_message
-from megatron_lossfix.groups import group_size
-from megatron_lossfix.modes import (
+from megatron_lossfix.runtime.config import LossFixConfig, check_mode
+from megatron_lossfix.runtime.modes import (
     ALIASES,
     MODES,
     REDUCTIONS,
     canonical_mode,
     mode_of,
 )
+from megatron_lossfix.runtime.process_groups import group_size
+from megatron_lossfix.runtime.prompt_groups import GroupIds, group_tokens, missing_group_ids_message
 
 __all__ = [
     "ALIASES",
@@ -130,7 +130,7 @@ def count_tokens(
     ``num_segments[k]`` packed sequences. n_s is summed over ``cp_group`` (the masks are CP
     shards), then N and S over ``dp_group`` unless ``global_counts=False``. With ``groups`` the
     tokens of each group ride in the same all-reduces (no collective of their own); their ids
-    must have been checked (:func:`~megatron_lossfix.group_ids.bad_id_values`).
+    must have been checked (:func:`~megatron_lossfix.runtime.prompt_groups.bad_id_values`).
     """
     seq_local = []
     for k, mask in enumerate(masks):

@@ -5,7 +5,7 @@
 the loss chunk, each loss tuple is checked, recorded and multiplied by what undoes Megatron's
 averaging (:func:`scale_loss`). On an error the problem is noted in the pass's
 :class:`PassLog` and Megatron gets a zero loss; the step refuses itself on every rank after
-the schedule (:mod:`megatron_lossfix.step_after`).
+the schedule (:mod:`megatron_lossfix.step.after`).
 
 Values travel as arguments: the index ``k`` of the micro-batch a forward step reads is the
 iterator's position when the step starts, handed to the MTP hooks (``mtp.active(mtp, k)``),
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from megatron_lossfix.agreement import Problem, StepRefused, default_device
-from megatron_lossfix.kept import KeptStep, Phase
-from megatron_lossfix.mtp import MTPStep, active
-from megatron_lossfix.reduction import LossFixConfig
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase
+from megatron_lossfix.step.agreement import Problem, StepRefused, default_device
+from megatron_lossfix.step.mtp import MTPStep, active
 
 __all__ = ["MicroBatches", "PassLog", "PassSettings", "scale_loss", "wrap_forward_step"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.groups import StepGroups, group_size, same_on_every_rank
-from megatron_lossfix.reduction import MODES
+from megatron_lossfix.runtime.process_groups import StepGroups, group_size, same_on_every_rank
+from megatron_lossfix.runtime.weights import MODES
 
 REFUSAL_PREFIX = "megatron_lossfix refused this step: "
 

@@ -1,7 +1,7 @@
 """The step's record and the data it reads: what one step leaves behind, and who writes what.
 
-A :class:`StepRecord` is filled in as the step runs (:mod:`megatron_lossfix.step`); each field
-has one owner, the phase that produces its value, and the step driver writes it once, from
+A :class:`StepRecord` is filled in as the step runs (:mod:`megatron_lossfix.step.driver`); each
+field has one owner, the phase that produces its value, and the step driver writes it once, from
 that phase's return value (``kept_counts`` once per agreement after a pass):
 
 =====================================  ======================================================
@@ -22,7 +22,7 @@ field                                  owner (module: function)
 =====================================  ======================================================
 
 Nothing else writes the record: the micro-batch index and what the loss closure needs travel
-as arguments (:mod:`megatron_lossfix.step_microbatch`), and a rank's problem is a value that
+as arguments (:mod:`megatron_lossfix.step.microbatch`), and a rank's problem is a value that
 each phase returns and the next agreement reads.
 """
 
@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.reduction as reduction
-from megatron_lossfix.group_ids import GroupIds
-from megatron_lossfix.groups import StepGroups
-from megatron_lossfix.kept import KeptCounts, KeptStep, Phase
-from megatron_lossfix.modes import megatron_normalizes, mode_of
-from megatron_lossfix.mtp import MTPStep
-from megatron_lossfix.reduction import LossFixConfig, StepCounts
+import megatron_lossfix.runtime.weights as reduction
+from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mask_in_loss import KeptCounts, KeptStep, Phase
+from megatron_lossfix.runtime.modes import megatron_normalizes, mode_of
+from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.runtime.prompt_groups import GroupIds
+from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.step.mtp import MTPStep
 
 __all__ = ["StepData", "StepRecord"]
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.group_ids import GroupIds, group_tokens
-from megatron_lossfix.groups import group_size
-from megatron_lossfix.modes import Count, KeptPart, mode_of
-from megatron_lossfix.reduction import StepCounts, weights_from_counts
+from megatron_lossfix.runtime.modes import Count, KeptPart, mode_of
+from megatron_lossfix.runtime.process_groups import group_size
+from megatron_lossfix.runtime.prompt_groups import GroupIds, group_tokens
+from megatron_lossfix.runtime.weights import StepCounts, weights_from_counts
 
 __all__ = ["KeptCounts", "KeptStep", "Phase", "kept_weights", "weighted_stats"]
 
@@ -111,7 +111,7 @@ def kept_weights(weights: torch.Tensor, keep: torch.Tensor | None = None) -> tor
     zeroed and still count. With ``mask_in_loss=True`` they leave the normalization (module
     docstring); the returned weights then hold only part of it until the step is over, so
     report sums weighted by them are named with ``weighted_stats``
-    (``megatron_lossfix.kept.weighted_stats``).
+    (``megatron_lossfix.runtime.mask_in_loss.weighted_stats``).
     """
     active = _ACTIVE.get()
     if active is None:

@@ -57,7 +57,7 @@ MEGATRON_FSDP_PROVEN: dict[str, frozenset[tuple[int, int]]] = {
 
 
 def _megatron_fsdp_unproven(chunk: Any) -> str | None:
-    from megatron_lossfix.megatron_compat import megatron_core_version
+    from megatron_lossfix.step.megatron_compat import megatron_core_version
 
     config = getattr(chunk, "ddp_config", None)
     strategy = getattr(config, "data_parallel_sharding_strategy", None)
@@ -218,7 +218,7 @@ def agree_scale_seen(chunks: list, verdict: int, groups: list) -> str | None:
     rank), else None; the chunks count as seen once some rank saw the scale work."""
     flag = torch.tensor([float(verdict)], dtype=torch.float64)
     if dist.is_initialized():
-        from megatron_lossfix.agreement import default_device
+        from megatron_lossfix.step.agreement import default_device
 
         flag = flag.to(default_device())
         for group in groups:
