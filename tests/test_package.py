@@ -184,3 +184,23 @@ def test_lint_checks_the_projects_own_files_only(tmp_path):
     listed = _ruff("check", "--show-files", ".", cwd=repo)
     files = [Path(line).relative_to(repo).as_posix() for line in listed.stdout.split()]
     assert files and all(f.startswith(PROJECT_FILES) for f in files), files
+
+
+@pytest.mark.parametrize("old", sorted(megatron_lossfix.MOVED_MODULES))
+def test_a_moved_modules_old_address_still_imports_with_a_warning(old):
+    """One release of grace for imports written before the runtime moved into its folders."""
+    new = importlib.import_module(megatron_lossfix.MOVED_MODULES[old])
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new.__name__}"):
+        module = importlib.import_module(old)
+    assert module is new
+    assert not any(m.startswith(f"{old}.") for m in megatron_lossfix.MOVED_MODULES)
+
+
+def test_the_step_classes_old_address_still_imports_with_a_warning():
+    from megatron_lossfix.step.driver import Step
+
+    with pytest.warns(DeprecationWarning, match="megatron_lossfix.step.Step moved"):
+        from megatron_lossfix.step import Step as old
+
+    assert old is Step
