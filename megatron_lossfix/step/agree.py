@@ -14,12 +14,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-import megatron_lossfix.runtime.prompt_groups as group_ids
-import megatron_lossfix.runtime.weights as reduction
+import megatron_lossfix.runtime.prompt_groups as prompt_groups
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.process_groups import StepGroups, same_on_every_rank
 from megatron_lossfix.runtime.prompt_groups import GroupIds
-from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.runtime.weights import StepCounts, bad_mask_message, bad_mask_values
 from megatron_lossfix.step.agreement import (
     REFUSAL_PREFIX,
     Agreement,
@@ -68,7 +67,7 @@ def agree_counts(
     # ids: every rank must bring the same (or none, a sequence mode without trajectory ids).
     # Every mode sends them (zeros where unused), so that ranks disagreeing on the mode still
     # all-reduce records of one size and hear of it in the verdict.
-    by_ids = group_ids.ids_for_mode(config.reduction) is not None
+    by_ids = prompt_groups.ids_for_mode(config.reduction) is not None
     num_counts = 2 * len(mask_sets) + 2
     mine = Agreement.of_rank(settings, problem, num_counts=num_counts)
     sharded_cp = config.data_is_cp_sharded and groups.cp_size > 1
@@ -76,7 +75,7 @@ def agree_counts(
     local: list[StepCounts] = []
     if groups.is_last_stage and problem is None:
         if config.validate:
-            checks["masks"] = reduction.bad_mask_values(data.masks)
+            checks["masks"] = bad_mask_values(data.masks)
             mine.report(Problem.MASK_VALUES, checks["masks"].any())
         if not sharded_cp:
             local = [data.counts(masks, global_counts=False) for masks in mask_sets]
@@ -128,17 +127,17 @@ def _check_ids(data: StepData, local: list[StepCounts]) -> dict[str, torch.Tenso
         for k, (seg, _) in enumerate(data.segments)
     ]
     device = ids.ids[0].device
-    return {"ids": group_ids.bad_id_values(ids), "tails": torch.stack(tails).to(device)}
+    return {"ids": prompt_groups.bad_id_values(ids), "tails": torch.stack(tails).to(device)}
 
 
 def _late_problem(checks: dict[str, torch.Tensor], data: StepData) -> StepRefused | None:
     """This rank's problem found on the device, named (read only when the step is refused)."""
     if "masks" in checks and bool(checks["masks"].any()):
         first = int(checks["masks"].nonzero()[0, 0])
-        return Problem.MASK_VALUES.refusal(reduction.bad_mask_message(first))
+        return Problem.MASK_VALUES.refusal(bad_mask_message(first))
     if "ids" in checks and bool(checks["ids"].any()):
         first = int(checks["ids"].nonzero()[0, 0])
-        return Problem.GROUP_IDS.refusal(group_ids.bad_id_message(data.group_ids, first))
+        return Problem.GROUP_IDS.refusal(prompt_groups.bad_id_message(data.group_ids, first))
     if "tails" in checks and bool(checks["tails"].any()):
         first = int(checks["tails"].nonzero()[0, 0])
         return Problem.GROUP_IDS.refusal(
@@ -169,7 +168,7 @@ def _group_tokens(
     vector (the groups' range per mask set), after the verdict checked the ids."""
     if ids is None:
         return [None] * len(local)
-    per_group = torch.cat([group_ids.group_tokens(c.seq_tokens, ids) for c in local])
+    per_group = torch.cat([prompt_groups.group_tokens(c.seq_tokens, ids) for c in local])
     if groups.dp_cp_size > 1:
         dist.all_reduce(per_group, group=groups.dp_cp)
     # CP ranks hold the same whole sequences.

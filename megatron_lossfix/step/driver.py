@@ -36,11 +36,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import megatron_lossfix.runtime.weights as reduction
 import megatron_lossfix.step.megatron_compat as megatron_compat
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import Phase
 from megatron_lossfix.runtime.modes import mode_of
+from megatron_lossfix.runtime.weights import shifted_masks
 from megatron_lossfix.step.after import after_schedule, agree_kept
 from megatron_lossfix.step.agree import agree_counts
 from megatron_lossfix.step.agreement import Problem
@@ -132,7 +132,7 @@ class Step:
             data, problem = read_step_data(cfg, iterators[-1], m, mtp_layers)
         # The structural guard's problem is the fix to name first: no step is right without it.
         problem = structure_problem(chunks, record.model_config, record.groups) or problem
-        mtp_masks = [reduction.shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
+        mtp_masks = [shifted_masks(data.masks, j) for j in range(1, mtp_layers + 1)]
         agreed = agree_counts(cfg, record.groups, record.per_token, problem, data, mtp_masks)
         record.counts, record.grouped = agreed.counts, agreed.grouped
         forward_only = bool(call.get("forward_only"))

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.runtime.prompt_groups as group_ids
-import megatron_lossfix.runtime.weights as reduction
+import megatron_lossfix.runtime.prompt_groups as prompt_groups
 import megatron_lossfix.step.megatron_compat as megatron_compat
 import megatron_lossfix.step.wrappers as wrappers
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.process_groups import StepGroups
 from megatron_lossfix.runtime.prompt_groups import GroupIds
+from megatron_lossfix.runtime.weights import float_masks, segment_ids
 from megatron_lossfix.step.agreement import REFUSAL_PREFIX, Problem, StepRefused
 from megatron_lossfix.step.record import StepData
 
@@ -82,7 +82,7 @@ def read_step_data(
                     f"(LossFixConfig.loss_mask_key); got {type(batch).__name__}{keys}"
                 )
         try:
-            masks = reduction.float_masks([b[key] for b in batches])
+            masks = float_masks([b[key] for b in batches])
             segments = [_segments(config, b, masks[k], k) for k, b in enumerate(batches)]
         except ValueError as exc:
             raise Problem.MALFORMED.refusal(str(exc)) from None
@@ -110,7 +110,7 @@ def _group_ids(
     one per row, or per ``cu_seqlens`` sequence of a packed micro-batch (whose tokens after the
     last boundary then count for no group). None where the mode needs none, or a sequence mode
     finds no trajectory ids; ``ValueError`` for what the ids cannot mean."""
-    kind = group_ids.ids_for_mode(config.reduction)
+    kind = prompt_groups.ids_for_mode(config.reduction)
     if kind is None:
         return None
     if kind == "group":
@@ -122,7 +122,7 @@ def _group_ids(
         raise ValueError(f"micro-batch {missing[0]} has no {ids_key!r}, other micro-batches do")
     ids = counts = None
     if not missing:
-        counts = [group_ids.id_count(b.get(count_key), f"{count_key!r}") for b in batches]
+        counts = [prompt_groups.id_count(b.get(count_key), f"{count_key!r}") for b in batches]
         if len(set(counts)) > 1:
             k = counts.index(next(c for c in counts if c != counts[0]))
             raise ValueError(
@@ -134,8 +134,8 @@ def _group_ids(
         m.shape[0] if num is None else num - 1 for m, (_, num) in zip(masks, segments, strict=True)
     ]
     names = (repr(ids_key), repr(count_key))
-    missing_message = group_ids.missing_group_ids_message(ids_key, count_key)
-    parsed = group_ids.parse_group_ids(
+    missing_message = prompt_groups.missing_group_ids_message(ids_key, count_key)
+    parsed = prompt_groups.parse_group_ids(
         kind, ids, None if counts is None else counts[0], masks, rows, names, missing_message
     )
     if parsed is None:
@@ -196,4 +196,4 @@ def _segments(config: LossFixConfig, batch: Mapping, mask: torch.Tensor, k: int)
             f"micro-batch {k} is packed ({key!r} given) but its mask is {tuple(mask.shape)}; "
             "packed micro-batches are [1, total_tokens]"
         )
-    return reduction.segment_ids(cu_seqlens.to(device=mask.device), mask.shape[1])
+    return segment_ids(cu_seqlens.to(device=mask.device), mask.shape[1])

@@ -33,13 +33,12 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.runtime.weights as reduction
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import KeptCounts, KeptStep, Phase
 from megatron_lossfix.runtime.modes import megatron_normalizes, mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups
 from megatron_lossfix.runtime.prompt_groups import GroupIds
-from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.runtime.weights import StepCounts, count_tokens
 from megatron_lossfix.step.mtp import MTPStep
 
 __all__ = ["StepData", "StepRecord"]
@@ -121,6 +120,6 @@ class StepData:
 
     def counts(self, masks: list[torch.Tensor], **groups: Any) -> StepCounts:
         """``masks`` (these micro-batches' or their shift) counted with their segments."""
-        return reduction.count_tokens(
+        return count_tokens(
             masks, segment_ids=self.segment_ids, num_segments=self.num_segments, **groups
         )

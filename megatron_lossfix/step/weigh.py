@@ -11,11 +11,10 @@ from typing import Any
 
 import torch
 
-import megatron_lossfix.runtime.weights as reduction
 import megatron_lossfix.step.megatron_compat as megatron_compat
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase, phase_for
-from megatron_lossfix.runtime.weights import StepCounts
+from megatron_lossfix.runtime.weights import StepCounts, weights_from_counts
 from megatron_lossfix.step.agreement import default_device
 from megatron_lossfix.step.mtp import MTPStep, mtp_step
 from megatron_lossfix.step.record import StepData, StepRecord
@@ -28,7 +27,7 @@ def microbatch_weights(record: StepRecord, data: StepData) -> list[torch.Tensor]
     cfg = record.config
     weights = data.masks  # per-token token_mean: Megatron's division by N is exact
     if not record.passthrough:
-        weights = reduction.weights_from_counts(
+        weights = weights_from_counts(
             data.masks,
             record.counts,
             cfg.reduction,
