@@ -2,9 +2,10 @@
 against 2 data-parallel ranks, through the RL replay of ``train_rl.py``
 (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_replay`) on fixed rollouts.
 
-:func:`compare` runs one launch per layout, two iterations at learning rate 0 (stock, then the
-plugin's mode) on the same rollouts, and prints what each step trained and the relative
-differences between the layouts.
+:func:`compare` runs one launch per layout, two collections at learning rate 0 (stock, then the
+plugin's mode) of the same rollouts, and prints what each optimizer step trained and the
+relative differences between the layouts (the ``steps`` set: three optimizer steps per
+collection).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron_lossfix.integrations.megatron_lm_rl_plans import (
     MODULE,
     PLAN_ENV,
     SETS,
+    SHAPES,
     checkout_null_tokenizer_eod,
     rl_args,
     rollout_sets,
@@ -130,9 +132,11 @@ def compare(
     folder = Path(out).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     sets = rollout_sets(checkout_null_tokenizer_eod(tree))
+    prompts, group = SHAPES.get(rollout_set, (2, 2))
+    per_collection = prompts * group // 4  # optimizer steps of --global-batch-size 4
     steps = [{"rollouts": sets[rollout_set], "loss_reduction": mode,
               "loss_norm_constant": loss_norm_constant if mode else None}
-             for mode in (None, loss_reduction)]  # fmt: skip
+             for mode in (None, loss_reduction) for _ in range(per_collection)]  # fmt: skip
     records: dict[int, list[dict]] = {}
     refused: dict[int, str | None] = {}
     for nproc in (1, 2):
@@ -140,11 +144,12 @@ def compare(
         for old in folder.glob(f"ranks{nproc}.*"):
             old.unlink()
         plan = write_plan(folder / f"ranks{nproc}.plan.json", tree, steps, out=records_out)
-        outputs = _launch(tree, plan, rl_args(train_iters=2, per_token=per_token), nproc,
-                          folder, timeout)  # fmt: skip
+        args = rl_args(train_iters=len(steps), per_token=per_token, rollout_set=rollout_set)
+        outputs = _launch(tree, plan, args, nproc, folder, timeout)
         records[nproc] = read_records(records_out) if records_out.is_file() else []
-        refused[nproc] = _refusal(outputs) if len(records[nproc]) < 2 else None
-        if len(records[nproc]) < 2 and refused[nproc] is None:
+        short = len(records[nproc]) < len(steps)
+        refused[nproc] = _refusal(outputs) if short else None
+        if short and refused[nproc] is None:
             echo(outputs[-1][-4000:])
             echo(f"megatron_lossfix: the {nproc}-rank launch failed; its ranks' output is in "
                  f"{folder}")  # fmt: skip
@@ -152,8 +157,10 @@ def compare(
     flags = f"--loss-reduction {loss_reduction}" + (
         " --calculate-per-token-loss" if per_token else ""
     )
-    echo(f"train_rl.py, rollout set {rollout_set!r}, learning rate 0: stock, then {flags}")
-    worst = _print_steps(records, refused, echo)
+    echo(f"train_rl.py, rollout set {rollout_set!r}, learning rate 0: stock, then {flags}"
+         + ("" if per_collection == 1 else
+            f"; {per_collection} optimizer steps per collection"))  # fmt: skip
+    worst = _print_steps(records, refused, echo, per_collection)
     if any(refused.values()):
         return 2
     echo(f"plugin: {'exact' if worst <= REL else 'NOT exact'} (largest difference {worst:.1e}, "
@@ -162,25 +169,33 @@ def compare(
 
 
 def _print_steps(
-    records: dict[int, list[dict]], refused: dict[int, str | None], echo: Any
+    records: dict[int, list[dict]], refused: dict[int, str | None], echo: Any, per_collection: int
 ) -> float:
-    """Print what each step trained on 1 and 2 ranks, then their relative differences; the
-    largest difference of the plugin's step (0 when a layout refused it)."""
-    echo(f"{'':8}{'ranks':>6}{'sequences':>11}{'tokens':>8}{'loss':>12}{'grad norm':>12}")
-    for step, name in enumerate(("stock", "plugin")):
+    """Print what each optimizer step trained on 1 and 2 ranks, then their relative
+    differences; the largest difference of the plugin's steps (0 when a layout refused them)."""
+    labels = [
+        name if per_collection == 1 else f"{name} {k + 1}"
+        for name in ("stock", "plugin")
+        for k in range(per_collection)
+    ]
+    width = max(8, *(len(label) + 1 for label in labels))
+    echo(f"{'':{width}}{'ranks':>6}{'sequences':>11}{'tokens':>8}{'loss':>12}{'grad norm':>12}")
+    for step, name in enumerate(labels):
         for nproc in (1, 2):
             if step >= len(records[nproc]):
-                echo(f"{name:8}{nproc:>6}  refused: {refused[nproc]}")
+                if step % per_collection == 0:
+                    echo(f"{name:{width}}{nproc:>6}  refused: {refused[nproc]}")
                 continue
             r = records[nproc][step]
-            echo(f"{name:8}{nproc:>6}{r['num_sequences']:>11}{r['num_tokens']:>8}"
+            echo(f"{name:{width}}{nproc:>6}{r['num_sequences']:>11}{r['num_tokens']:>8}"
                  f"{r['lm_loss']:>12.6g}{r['grad_norm']:>12.6g}")  # fmt: skip
     echo("relative difference, 1 rank against DP2:")
-    echo(f"{'':8}{'loss':>10}{'grad norm':>11}{'gradient':>10}{'num_tokens':>12}")
+    echo(f"{'':{width}}{'loss':>10}{'grad norm':>11}{'gradient':>10}{'num_tokens':>12}")
     worst = 0.0
-    for step, name in enumerate(("stock", "plugin")):
+    for step, name in enumerate(labels):
         if any(step >= len(records[n]) for n in (1, 2)):
-            echo(f"{name:8}  refused")
+            if step % per_collection == 0:
+                echo(f"{name:{width}}  refused")
             continue
         one, two = records[1][step], records[2][step]
         diffs = [
@@ -190,11 +205,11 @@ def _print_steps(
             abs(one["num_tokens"] - two["num_tokens"]) / max(one["num_tokens"], 1),
         ]
         echo(
-            f"{name:8}"
+            f"{name:{width}}"
             + "".join(f"{d:>{w}.1e}" for d, w in zip(diffs, (10, 11, 10, 12), strict=True))
         )
-        if name == "plugin":
-            worst = max(diffs)
+        if name.startswith("plugin"):
+            worst = max(worst, *diffs)
     return worst
 
 
@@ -208,7 +223,8 @@ def main(argv: Sequence[str], prog: str) -> int:
     )
     parser.add_argument("megatron_lm_path", help="the patched Megatron-LM checkout")
     parser.add_argument("--set", default="multi", choices=SETS,
-                        help="the rollouts of both steps (rollout_sets)")  # fmt: skip
+                        help="the rollouts of both collections (rollout_sets; steps: three "
+                        "optimizer steps per collection)")  # fmt: skip
     parser.add_argument(
         "--loss-reduction",
         default="token_mean",

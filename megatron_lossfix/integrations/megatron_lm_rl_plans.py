@@ -55,7 +55,10 @@ PLAN_ENV = "LOSSFIX_RL_PLAN"
 #: The replay's module, as ``python -m`` and ``torchrun -m`` run it (a rank of a replay).
 MODULE = "megatron_lossfix.integrations.megatron_lm_rl_replay"
 #: The rollout sets of :func:`rollout_sets`.
-SETS = ("single", "multi", "prefix_chain", "packed")
+SETS = ("single", "multi", "prefix_chain", "packed", "steps")
+#: ``(--grpo-prompts-per-step, --grpo-group-size)`` of a set's collection: 2 x 2 (one step of
+#: ``--global-batch-size 4``) unless named here; ``steps``: 4 x 3 rollouts, three steps.
+SHAPES = {"steps": (4, 3)}
 
 
 # ------------------------------------------------------------------------------ rollouts
@@ -89,7 +92,10 @@ def rollout_sets(eod: int, seed: int = 0) -> dict[str, list]:
       5 rows (one per turn) up to core_v0.19, 4 on main (the chain is one row), 46 tokens;
     - ``packed``: 6 single-turn rollouts (3 groups of 2), 80 loss tokens, which
       ``--rl-sequence-packing-max-sequences-per-bin 2`` packs into 3 bins (DP2 adds an empty
-      one) and ``1`` into 6.
+      one) and ``1`` into 6;
+    - ``steps``: 12 single-turn rollouts (4 groups of 3), which ``--global-batch-size 4``
+      trains in three optimizer steps of 4 (:data:`SHAPES`); the second and third groups are
+      split between two steps.
     """
     rng = random.Random(seed)
     single = [_rollout([_turn(rng, _prompt(rng, 2 + i % 5), 3 + 2 * i, eod)], float(i % 2))
@@ -111,9 +117,12 @@ def rollout_sets(eod: int, seed: int = 0) -> dict[str, list]:
     ]
     packed = [_rollout([_turn(rng, _prompt(rng, 3), n, eod)], float(i % 2))
               for i, n in enumerate((20, 18, 14, 12, 10, 6))]  # fmt: skip
+    steps = [_rollout([_turn(rng, _prompt(rng, 2 + i % 4), 4 + (5 * i) % 13, eod)],
+                      float((i * 7) % 3) / 2) for i in range(12)]  # fmt: skip
     pairs = lambda rollouts: [rollouts[i : i + 2] for i in range(0, len(rollouts), 2)]  # noqa: E731
+    threes = [steps[i : i + 3] for i in range(0, 12, 3)]
     return {"single": pairs(single), "multi": pairs(multi), "prefix_chain": pairs(prefix_chain),
-            "packed": pairs(packed)}  # fmt: skip
+            "packed": pairs(packed), "steps": threes}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ plans
@@ -135,17 +144,21 @@ def write_plan(
     return path
 
 
-def rl_args(*, train_iters: int, per_token: bool = False, nproc: int = 1) -> list[str]:
+def rl_args(
+    *, train_iters: int, per_token: bool = False, nproc: int = 1, rollout_set: str | None = None
+) -> list[str]:
     """``train_rl.py`` flags of the tiny GPT on CPU (:func:`tiny_gpt_flags`) with 4 rollouts
     per step collected at every iteration (a plan's iterations may return another number:
     Megatron-LM sizes the step by the rows it gets), learning rate 0 and no gradient clipping
     (each iteration's gradient is comparable across runs), and an entropy term (weight 1: the
-    loss stays away from 0)."""
+    loss stays away from 0). ``rollout_set``: the collection's shape (:data:`SHAPES`)."""
     args = tiny_gpt_flags(seq_length=SEQ_LENGTH, micro_batch_size=1, global_batch_size=4,
                           train_iters=train_iters, lr="0")  # fmt: skip
+    prompts, group = SHAPES.get(rollout_set or "", (2, 2))
     args += [
         "--clip-grad", "0",
-        "--perform-rl-step", "--grpo-prompts-per-step", "2", "--grpo-group-size", "2",
+        "--perform-rl-step", "--grpo-prompts-per-step", str(prompts),
+        "--grpo-group-size", str(group),
         "--grpo-iterations", "1", "--grpo-entropy-term-weight", "1",
     ]  # fmt: skip
     return args + (["--calculate-per-token-loss"] if per_token else [])
