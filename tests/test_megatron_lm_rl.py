@@ -30,6 +30,7 @@ mode, one iteration each at learning rate 0 (:func:`_plan`); the tests read its 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -42,7 +43,12 @@ from helpers.launch import slots
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
 from torch.overrides import TorchFunctionMode
 
-from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl, megatron_lm_rl_groups
+from megatron_lossfix.integrations import (
+    megatron_lm,
+    megatron_lm_rl,
+    megatron_lm_rl_groups,
+    megatron_lm_rl_steps,
+)
 from megatron_lossfix.integrations.megatron_lm import add_args_provider
 from megatron_lossfix.runtime.config import LossFixConfig
 
@@ -883,3 +889,325 @@ def test_train_rl_pp2_differs_by_its_initial_weights_alone(
             assert _real_rows(b["weights"]) == _real_rows(a["weights"]), i
             for count in ("lossfix_num_tokens", "lossfix_num_sequences"):
                 assert b[count] == a[count], (i, count)
+
+
+# ------------------------------------------------------------------ steps of a collection
+def _stock_rows(row_rollouts: list[int], steps: int, size: int, mbs: int) -> list[list[int]]:
+    """The rows stock Megatron-LM (core_v0.19.0 on) trains in each step of a collection: the
+    rows padded to a multiple of DP x micro-batch size, one contiguous slice per rank, and
+    step i reading the i-th part of every rank's slice (``ceil(rows / S)`` rows per step)."""
+    rows = list(range(len(row_rollouts)))
+    rows += [-1] * (-len(rows) % (size * mbs))
+    slice_ = len(rows) // size
+    per_step = -(-len(rows) // steps) // size
+    return [sorted(r for k in range(size)
+                   for r in rows[k * slice_ + i * per_step : k * slice_ + (i + 1) * per_step]
+                   if r >= 0) for i in range(steps)]  # fmt: skip
+
+
+def _planned_rows(plan: megatron_lm_rl_steps.StepRows, mbs: int) -> list[list[int]]:
+    """What each step reads from a layout of :func:`plan_rows`, read as Megatron-LM reads it:
+    rank r's contiguous slice, ``rows_per_step / (DP x mbs)`` micro-batches of ``mbs`` rows a
+    step, cycling."""
+    size = plan.data_parallel_size
+    slice_ = len(plan.order) // size
+    assert plan.rows_per_step % (size * mbs) == 0
+    per_step = plan.rows_per_step // size
+    return [sorted(o for k in range(size)
+                   for o in plan.order[k * slice_ + i * per_step : k * slice_ + (i + 1) * per_step]
+                   if o >= 0) for i in range(plan.steps)]  # fmt: skip
+
+
+@pytest.mark.unit
+def test_each_step_of_a_collection_reads_its_rollouts_rows_under_every_layout() -> None:
+    """Under ``--loss-reduction`` step i of a collection reads the rows of the rollouts
+    ``[i N / S, (i + 1) N / S)`` once, under every DP size and micro-batch size (multi-turn
+    rollouts: several rows; padding rows fill each step to the same count). Stock Megatron-LM
+    reads other rows under DP: the same check fails there."""
+    turns = [1, 2, 1, 1, 3, 1, 1, 1, 2, 1, 1, 1]  # 12 rollouts, 16 rows
+    row_rollouts = [k for k, n in enumerate(turns) for _ in range(n)]
+    for steps in (1, 2, 3, 4):
+        want = [[row for row, k in enumerate(row_rollouts) if k * steps // 12 == i]
+                for i in range(steps)]  # fmt: skip
+        for size in (1, 2, 4):
+            for mbs in (1, 2):
+                plan = megatron_lm_rl_steps.plan_rows(
+                    row_rollouts, 12, steps=steps, data_parallel_size=size, micro_batch_size=mbs
+                )
+                assert _planned_rows(plan, mbs) == want, (steps, size, mbs)
+                assert len(plan.order) == steps * plan.rows_per_step
+    # Stock: step 1 of 2 on DP2 is not one rank's step 1 (the issue's two steps of 8 rows).
+    one, two = _stock_rows(list(range(8)), 2, 1, 1), _stock_rows(list(range(8)), 2, 2, 1)
+    assert one == [[0, 1, 2, 3], [4, 5, 6, 7]] and two == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # A collection of fewer rollouts than sampled (main filters groups): still one share each.
+    assert megatron_lm_rl_steps.step_of_rollouts(7, 3) == [0, 0, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.unit
+def test_several_steps_per_collection_are_refused_before_core_v0_19_under_dp() -> None:
+    """Before core_v0.19.0 (no patch of the rows) several optimizer steps per collection under
+    DP train layout-dependent rows: one line naming core_v0.19.0 and the batch size that has
+    one step; one DP rank, or one step per collection, runs. A global batch size that does not
+    divide the collection is refused by ``check_args`` at every release."""
+    args = argparse.Namespace(grpo_prompts_per_step=2, grpo_group_size=4, global_batch_size=4)
+    line = megatron_lm_rl_groups.several_steps(args, 2)
+    assert line is not None and "\n" not in line
+    assert "core_v0.19.0" in line and "2 optimizer steps" in line and "--global-batch-size" in line
+    assert megatron_lm_rl_groups.several_steps(args, 1) is None
+    args.global_batch_size = 8
+    assert megatron_lm_rl_groups.several_steps(args, 4) is None
+    with pytest.raises(ValueError) as info:
+        megatron_lm_rl.check_args(_args("--loss-reduction", "token_mean", global_batch_size=3,
+                                        grpo_prompts_per_step=2, grpo_group_size=4))  # fmt: skip
+    assert "--global-batch-size 3" in str(info.value) and "\n" not in str(info.value)
+    stock = _args(global_batch_size=3, grpo_prompts_per_step=2, grpo_group_size=4)
+    assert megatron_lm_rl.check_args(stock) is None  # stock: unchanged
+
+
+#: The collection's layouts against one rank, all started from one rank's initial weights:
+#: name -> (ranks, flags). The suite runs DP2 and TP2 x DP2; MEGATRON_LM_TAGS (the full run
+#: that regenerates docs/megatron_lm_rl.md's figures) adds DP4 and PP2 x DP2.
+STEP_LAYOUTS = {
+    "DP2": (2, []),
+    "TP2 x DP2": (4, ["--tensor-model-parallel-size", "2"]),
+    "DP4": (4, []),
+    "PP2 x DP2": (4, ["--pipeline-model-parallel-size", "2"]),
+}
+FULL_RUN = bool(__import__("os").environ.get("MEGATRON_LM_TAGS"))
+STEP_RUN_LAYOUTS = list(STEP_LAYOUTS)[: None if FULL_RUN else 2]
+#: The tags of the collection tests: those whose rows the patch lays out (core_v0.19.0 on).
+STEP_TAGS = [t for t in MP_TAGS if t in ("core_v0.19.0", "main")]
+#: Each collection of the ``steps`` set is three optimizer steps: (packing, mode) per collection.
+COLLECTIONS = tuple((packing, mode) for packing in (False, True)
+                    for mode in (None, "token_mean", "group_mean"))  # fmt: skip
+#: The Adam trajectory (learning rate 1e-3): two collections, unpacked then packed.
+ADAM = ((False, "token_mean"), (True, "group_mean"))
+ADAM_LR = "1e-3"
+#: Adam may amplify float32 rounding (its first steps move every weight by about lr): the
+#: trajectories agree to this (measured: 4.4e-7), where stock's are 1e-2 apart after a step.
+ADAM_REL = 1e-5
+
+
+def _collection_plan(collections: tuple, rollouts: list) -> list[dict]:
+    per = megatron_lm_rl_steps.steps_per_collection(argparse.Namespace(
+        grpo_prompts_per_step=4, grpo_group_size=3, global_batch_size=4))  # fmt: skip
+    return [{"rollouts": rollouts, "sequence_packing": packing, "max_sequences_per_bin": 2,
+             "loss_reduction": mode}
+            for packing, mode in collections for _ in range(per)]  # fmt: skip
+
+
+class _StepRuns:
+    """Per tag: one rank at learning rate 0 (saving its initial weights), then every layout of
+    STEP_RUN_LAYOUTS at learning rate 0 and 1 rank and DP2 with Adam, all from those weights,
+    with ``--calculate-per-token-loss``, on the ``steps`` set (three steps per collection)."""
+
+    def __init__(self, root: Path, trees: _RLRuns) -> None:
+        self.root, self.trees = root, trees
+        self.runs: dict[str, dict] = {}
+        self.seconds: dict[str, float] = {}
+
+    def get(self, tag: str) -> dict:
+        if tag not in self.runs:
+            import time
+
+            from helpers.megatron_lm_rl import (
+                read_records,
+                rl_args,
+                rl_launch,
+                rollout_sets,
+                write_plan,
+            )
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+
+            start = time.monotonic()
+            tree = self.trees.tree(tag)
+            eod = checkout_null_tokenizer_eod(tree)
+            rollouts = rollout_sets(eod)["steps"]
+            initial = self.root / f"{tag}-initial"
+            vocab = ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]
+            load = ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
+            lr0, adam = _collection_plan(COLLECTIONS, rollouts), _collection_plan(ADAM, rollouts)
+            runs = {"1": (1, lr0, "0", ["--save", str(initial), "--save-interval",
+                                        str(len(lr0))])}  # fmt: skip
+            waves = [["1"], [*STEP_RUN_LAYOUTS, "Adam 1", "Adam DP2"]]
+            for name in STEP_RUN_LAYOUTS:
+                runs[name] = (STEP_LAYOUTS[name][0], lr0, "0", STEP_LAYOUTS[name][1] + load)
+            runs["Adam 1"] = (1, adam, ADAM_LR, load)
+            runs["Adam DP2"] = (2, adam, ADAM_LR, load)
+            records: dict[str, list] = {}
+            for wave in waves:
+                launches, outs = [], []
+                for name in wave:
+                    nproc, plan, lr, flags = runs[name]
+                    out = self.root / f"{tag}-{len(records) + len(outs)}.jsonl"
+                    path = write_plan(out.with_suffix(".plan.json"), tree, plan, out=out)
+                    args = rl_args(train_iters=len(plan), per_token=True, rollout_set="steps")
+                    args[args.index("--lr") + 1] = lr
+                    launches.append(rl_launch(tree, path, args + vocab + flags, nproc))
+                    outs.append(out)
+                results = run_pretrain_gpts(launches, timeout=3000)
+                for name, out, result in zip(wave, outs, results, strict=True):
+                    assert result.returncode == 0, (name, result.output[-6000:])
+                    records[name] = read_records(out)
+                    assert len(records[name]) == len(runs[name][1]), (name, result.output[-6000:])
+            self.runs[tag] = records
+            self.seconds[tag] = time.monotonic() - start
+        return self.runs[tag]
+
+
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory: pytest.TempPathFactory, rl_runs: _RLRuns) -> _StepRuns:
+    return _StepRuns(tmp_path_factory.mktemp("megatron-lm-rl-steps"), rl_runs)
+
+
+def _labels(collections: tuple) -> list[tuple]:
+    """(packing, mode, step of its collection) of each iteration."""
+    return [(packing, mode, k) for packing, mode in collections for k in range(3)]
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", STEP_TAGS or ["none"])
+def test_train_rl_every_step_of_a_collection_is_layout_invariant(
+    step_runs: _StepRuns, tag: str, report_figure
+) -> None:
+    """A collection of 12 rollouts (4 groups of 3) trained in three optimizer steps of 4
+    (``--global-batch-size 4``; groups split between steps), packing off and on: under
+    ``token_mean`` and ``group_mean`` every step's weights of the real rows or bins, counts,
+    loss, grad norm and full gradient on each layout agree with one rank's to 1e-6, at learning
+    rate 0 and (1 rank against DP2) over an Adam trajectory of two collections to 1e-5. Stock
+    Megatron-LM trains other rows in each step under DP (its steps differ by 1e-1): the same
+    check fails there, and failed for the plugin before the patch laid the rows out."""
+    if tag == "none":
+        pytest.skip("no Megatron-LM release that lays out a collection's rows")
+    records = step_runs.get(tag)
+    one = records["1"]
+    head = (f"Megatron-LM RL {tag}, steps of a collection, per-token, grad norm against 1 rank "
+            "(step 1, 2, 3): | layout | packing | stock | token_mean | group_mean |")  # fmt: skip
+    report_figure(head)
+    for layout in STEP_RUN_LAYOUTS:
+        cells: dict[tuple, list[str]] = {}
+        stock_worst = 0.0
+        for i, (packing, mode, k) in enumerate(_labels(COLLECTIONS)):
+            a, b = one[i], records[layout][i]
+            assert torch.equal(b["param"], a["param"]), (layout, i)  # the same model
+            cells.setdefault((packing, mode), []).append(f"{_norm_diff(a, b):.1e}")
+            if mode is None:
+                stock_worst = max(stock_worst, _rel(a["grad"], b["grad"]))
+                continue
+            where = (layout, packing, mode, k)
+            assert _real_rows(b["weights"]) == _real_rows(a["weights"]), where
+            for count in ("lossfix_num_tokens", "lossfix_num_sequences"):
+                assert b[count] == a[count], (*where, count)
+            assert _loss_diff(a["lossfix_loss"], b["lossfix_loss"]) <= REL, where
+            assert _norm_diff(a, b) <= REL and _rel(a["grad"], b["grad"]) <= REL, where
+        if layout == "DP2":
+            assert stock_worst > 1e-2, stock_worst  # stock's steps are other rows under DP
+        for packing in (False, True):
+            row = " | ".join(" ".join(cells[(packing, m)]) for m in (None, "token_mean",
+                                                                     "group_mean"))  # fmt: skip
+            report_figure(f"{head.split(':')[0]}: | {layout} | {'on' if packing else 'off'} | "
+                          f"{row} |")  # fmt: skip
+    worst = 0.0
+    for i, (packing, mode, k) in enumerate(_labels(ADAM)):
+        a, b = records["Adam 1"][i], records["Adam DP2"][i]
+        if i == 0:  # from the same initial weights: the first step's gradient is lr 0's
+            assert _rel(one[3]["grad"], a["grad"]) <= REL and _rel(one[3]["grad"], b["grad"]) <= REL
+        worst = max(worst, _norm_diff(a, b), _rel(a["param"], b["param"]))
+        assert _norm_diff(a, b) <= ADAM_REL, (packing, mode, k, _norm_diff(a, b))
+        assert _rel(a["param"], b["param"]) <= ADAM_REL, (packing, mode, k)
+    assert not torch.equal(records["Adam 1"][-1]["param"], one[0]["param"])  # it trained
+    report_figure(f"Megatron-LM RL {tag}, Adam (lr {ADAM_LR}), 1 rank against DP2, six steps: "
+                  f"largest relative difference of grad norm and parameters {worst:.1e}; "
+                  f"{step_runs.seconds[tag]:.0f} s for the launches")  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Info:
+    """The fields of Megatron-LM's ``PackingInfo``."""
+
+    bin_seq_indices: list
+    seq_starts: dict
+    seq_lengths: list
+    seq_to_bin_idx: list
+    packing_algo: str = "fifo"
+
+
+def _pack_pairs(trajs: torch.Tensor, masks: object) -> tuple:
+    """A packer: two sequences a bin, longest first (the rows' first token is their length)."""
+    lengths = [int(t[0]) for t in trajs]
+    order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
+    bins = [order[k : k + 2] for k in range(0, len(order), 2)]
+    packed = torch.stack([trajs[b[0]] for b in bins])
+    starts = {k: [0, lengths[b[0]]][: len(b)] + [sum(lengths[j] for j in b)]
+              for k, b in enumerate(bins)}  # fmt: skip
+    info = _Info(bins, starts, lengths, [None] * len(lengths))
+    return packed, packed.clone(), packed.float(), info
+
+
+def _empty_bins(n: int, size: int, trajs, positions, mask, tokenizer) -> tuple:
+    empty = torch.full((n, size), tokenizer.pad)
+    entries = [{"bin_seq_indices": [], "seq_starts": []} for _ in range(n)]
+    return empty, empty.clone(), empty.float(), entries
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algo", ["fifo", "round-robin"])
+def test_packed_bins_hold_each_steps_rows_under_every_layout(algo: str) -> None:
+    """With sequence packing each step's rows are packed alone and padded with empty bins;
+    Megatron-LM's bin split (``fifo`` or ``round-robin``) then gives every rank, in each step,
+    bins of that step's rows only, and all of them over the ranks."""
+    turns = [1, 2, 1, 1, 3, 1, 1, 1, 2, 1, 1, 1]
+    row_rollouts = [k for k, n in enumerate(turns) for _ in range(n)]
+    for size in (1, 2, 4):
+        plan = megatron_lm_rl_steps.plan_rows(row_rollouts, 12, steps=3, data_parallel_size=size,
+                                              micro_batch_size=1)  # fmt: skip
+        plan.packing_algo = algo
+        trajs = torch.tensor([[3 + (o % 5) if o >= 0 else 0, 1, 1, 1] for o in plan.order])
+        packed, _, _, info = megatron_lm_rl_steps.pack_steps(-1, _pack_pairs, _empty_bins, trajs,
+                                                             None, plan)  # fmt: skip
+        total = packed.shape[0]
+        assert total == 3 * plan.bins_per_step and plan.bins_per_step % size == 0
+        for i in range(3):
+            read = []
+            for r in range(size):
+                mine = (list(range(r, total, size)) if algo == "round-robin"
+                        else list(range(r * total // size, (r + 1) * total // size)))  # fmt: skip
+                share = plan.bins_per_step // size
+                for b in mine[i * share : (i + 1) * share]:
+                    read += [plan.order[p] for p in info.bin_seq_indices[b]]
+            want = [row for row, k in enumerate(row_rollouts) if k * 3 // 12 == i]
+            assert sorted(o for o in read if o >= 0) == want, (size, i)
+            assert all(info.seq_to_bin_idx[p] is not None for p in range(len(plan.order)))
+
+
+@pytest.mark.e2e
+@needs_megatron_lm
+@pytest.mark.parametrize("tag", TAGS or ["none"])
+def test_train_rl_refuses_several_steps_per_collection_before_core_v0_19(
+    rl_runs: _RLRuns, tag: str, tmp_path: Path
+) -> None:
+    """Before core_v0.19.0 (where the patch does not lay out the rows) ``compare`` on the
+    ``steps`` set (three steps per collection): one rank trains every step (nothing to mix),
+    DP2 refuses the collection under the plugin, on both ranks, in one line naming
+    core_v0.19.0; stock runs on both."""
+    from helpers.megatron_lm_rl import compare
+
+    tree = rl_runs.tree(tag)
+    if _pads_rows(tree):
+        pytest.skip(f"{tag} lays out a collection's rows: the collection test checks it there")
+    printed: list[str] = []
+    with slots(2):
+        code = compare(tree, rollout_set="steps", loss_reduction="group_mean", out=tmp_path,
+                       echo=printed.append)  # fmt: skip
+    text = "\n".join(printed)
+    assert code == 2, text
+    one = [json.loads(line) for line in (tmp_path / "ranks1.jsonl").open()]
+    two = [json.loads(line) for line in (tmp_path / "ranks2.jsonl").open()]
+    assert [r["loss_reduction"] for r in one] == [None] * 3 + ["group_mean"] * 3, text
+    assert [r["loss_reduction"] for r in two] == [None] * 3, text
+    for rank in range(2):
+        output = (tmp_path / f"ranks2.rank{rank}.log").read_text()
+        lines = re.findall(r"ValueError: (megatron_lossfix: .*)", output)
+        assert len(lines) == 1 and "core_v0.19.0" in lines[0], (rank, output[-3000:])
+        assert "3 optimizer steps" in lines[0], lines[0]

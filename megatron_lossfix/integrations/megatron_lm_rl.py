@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megatron_lossfix.args import from_args
-from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups
+from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups, megatron_lm_rl_steps
 from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
@@ -86,6 +86,9 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     rl_utils = sys.modules.get("megatron.rl.rl_utils")  # train_rl.py imported it
     if rl_utils is not None:
         megatron_lm_rl_groups.install(rl_utils)  # records each row's GRPO group, nothing else
+    packing = sys.modules.get("megatron.rl.sequence_packing_utils")
+    if packing is not None:  # packs each step's rows alone, under --loss-reduction only
+        megatron_lm_rl_steps.install(packing)
     mode = getattr(args, "loss_reduction", None)
     if mode is not None and mode not in RL_MODES:
         raise ValueError(
@@ -101,6 +104,14 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     reasons = megatron_lm.incompatible_settings(args)
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         reasons.append(f"--context-parallel-size {args.context_parallel_size} (use 1)")
+    sampled = getattr(args, "grpo_prompts_per_step", None), getattr(args, "grpo_group_size", None)
+    batch = getattr(args, "global_batch_size", None)
+    if None not in (*sampled, batch) and (sampled[0] * sampled[1]) % batch:
+        reasons.append(
+            f"--global-batch-size {batch} (it must divide --grpo-prompts-per-step x "
+            f"--grpo-group-size = {sampled[0] * sampled[1]}: each optimizer step of a collection "
+            "trains its share of the rollouts)"
+        )
     if getattr(args, "rl_training_cuda_graphs", False):
         reasons.append("--rl-training-cuda-graphs")
     if config.self_check:

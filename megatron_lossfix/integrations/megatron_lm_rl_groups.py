@@ -30,12 +30,16 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_lossfix.integrations import megatron_lm_rl_steps
+
 __all__ = [
     "RowGroups",
     "install",
     "micro_batch_groups",
+    "planned_groups",
     "row_groups",
     "same_rows",
+    "several_steps",
     "step_groups",
     "unread_rows",
 ]
@@ -160,6 +164,45 @@ def unread_rows(
     )
 
 
+def several_steps(args: Any, data_parallel_size: int) -> str | None:
+    """Why a Megatron-LM before core_v0.19.0 trains layout-dependent rows in the steps of one
+    collection, in one line; None when it has one step per collection or one DP rank.
+
+    There each rank holds a contiguous slice of the rollouts and step i reads the i-th part of
+    every rank's slice (and, packed, of every rank's bins): under DP the steps mix rollouts
+    that one rank trains in other steps."""
+    steps = megatron_lm_rl_steps.steps_per_collection(args)
+    if steps == 1 or data_parallel_size == 1:
+        return None
+    return (
+        f"Megatron-LM before core_v0.19.0 splits a collection's rollouts over the DP ranks "
+        f"before its {steps} optimizer steps (--grpo-prompts-per-step x --grpo-group-size = "
+        f"{int(args.grpo_prompts_per_step) * int(args.grpo_group_size)}, --global-batch-size "
+        f"{args.global_batch_size}), so each step trains other rows on {data_parallel_size} DP "
+        f"ranks than on one; use core_v0.19.0 or later, or a --global-batch-size of "
+        f"--grpo-prompts-per-step x --grpo-group-size"
+    )
+
+
+def planned_groups(
+    grouped: Sequence[Sequence[Any]],
+    plan: megatron_lm_rl_steps.StepRows,
+    data_parallel_rank: int,
+    micro_batch_size: int,
+) -> RowGroups:
+    """Each row's group in the layout of :mod:`~megatron_lossfix.integrations.megatron_lm_rl_steps`
+    (``--loss-reduction`` from core_v0.19.0 on)."""
+    of_rollout = [g for g, group in enumerate(grouped) for _ in group]
+    rows = [0 if o < 0 else of_rollout[plan.row_rollouts[o]] for o in plan.order]
+    per_rank = len(rows) // plan.data_parallel_size
+    return RowGroups(
+        global_rows=rows,
+        local_rows=rows[data_parallel_rank * per_rank : (data_parallel_rank + 1) * per_rank],
+        count=max(len(grouped), 1),
+        micro_batch_size=micro_batch_size,
+    )
+
+
 def install(rl_utils: Any) -> None:
     """Wrap ``rl_utils.prepare_data_for_update`` (once) to record each row's group."""
     original = rl_utils.prepare_data_for_update
@@ -176,25 +219,35 @@ def install(rl_utils: Any) -> None:
 
         bound = signature.bind(*args, **kwargs).arguments
         grouped = bound["rollouts"]
-        if not pads_rows and getattr(get_args(), "loss_reduction", None) is not None:
+        margs = get_args()
+        packing = bool(bound.get("sequence_packing", False))
+        if not pads_rows and getattr(margs, "loss_reduction", None) is not None:
             # Every rank checks the same rollouts (the same list on every rank): each refuses.
             reason = unread_rows(
-                grouped,
-                data_parallel_size=mpu.get_data_parallel_world_size(),
-                sequence_packing=bool(bound.get("sequence_packing", False)),
-            )
+                grouped, data_parallel_size=mpu.get_data_parallel_world_size(),
+                sequence_packing=packing,
+            ) or several_steps(margs, mpu.get_data_parallel_world_size())  # fmt: skip
             if reason is not None:
                 raise ValueError(f"megatron_lossfix: --loss-reduction: {reason}")
+        megatron_lm_rl_steps._CURRENT[0] = None  # order_rows sets it (patched, core_v0.19 on)
         result = original(*args, **kwargs)
         iterator = result[0] if isinstance(result, tuple) else result
-        _RECORDS[iterator] = row_groups(
-            grouped,
-            data_parallel_size=mpu.get_data_parallel_world_size(),
-            data_parallel_rank=mpu.get_data_parallel_rank(),
-            micro_batch_size=get_args().micro_batch_size,
-            pads_rows=pads_rows,
-            collapsible=getattr(rl_utils, "_is_collapsible_rollout", None),
-        )
+        plan = megatron_lm_rl_steps.current()
+        if plan is None:
+            record = row_groups(
+                grouped,
+                data_parallel_size=mpu.get_data_parallel_world_size(),
+                data_parallel_rank=mpu.get_data_parallel_rank(),
+                micro_batch_size=margs.micro_batch_size,
+                pads_rows=pads_rows,
+                collapsible=getattr(rl_utils, "_is_collapsible_rollout", None),
+            )
+        else:
+            record = planned_groups(grouped, plan, mpu.get_data_parallel_rank(),
+                                    margs.micro_batch_size)  # fmt: skip
+            if packing:
+                megatron_lm_rl_steps.reconfigure_bins(plan, margs.micro_batch_size)
+        _RECORDS[iterator] = record
         return result
 
     prepare_data_for_update._lossfix_row_groups = True  # type: ignore[attr-defined]
