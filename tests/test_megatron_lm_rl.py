@@ -1211,3 +1211,36 @@ def test_train_rl_refuses_several_steps_per_collection_before_core_v0_19(
         lines = re.findall(r"ValueError: (megatron_lossfix: .*)", output)
         assert len(lines) == 1 and "core_v0.19.0" in lines[0], (rank, output[-3000:])
         assert "3 optimizer steps" in lines[0], lines[0]
+
+
+@pytest.mark.unit
+def test_order_rows_lays_out_rows_and_advantages_under_a_mode_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``order_rows`` (what the patched ``prepare_data_for_update`` calls) returns the rows and
+    advantages unchanged without ``--loss-reduction`` and with ``off``; under a mode, laid out
+    (padding rows ``pad`` with advantage 0), and the micro-batch calculator gets ``R``."""
+    import types
+
+    from megatron.core import mpu
+
+    args = argparse.Namespace(loss_reduction=None, micro_batch_size=1, grpo_prompts_per_step=2,
+                              grpo_group_size=2, global_batch_size=2)  # fmt: skip
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setattr(mpu, "get_data_parallel_world_size", lambda: 2)
+    rollouts = [_Rollout(n) for n in (1, 2, 1, 1)]  # 5 rows; steps: rollouts 0-1, then 2-3
+    rows = [(r, t) for r in rollouts for t in range(len(r.trajectory))]
+    advantages = torch.arange(1.0, 6.0)
+    for mode in (None, "off"):
+        args.loss_reduction = mode
+        assert megatron_lm_rl_steps.order_rows(rollouts, rows, advantages, "PAD") == (
+            rows, advantages)  # fmt: skip
+        assert megatron_lm_rl_steps.current() is None and megatron_lm_rl_steps.step_rows(7) == 7
+    args.loss_reduction = "token_mean"
+    laid, adv = megatron_lm_rl_steps.order_rows(rollouts, rows, advantages, "PAD")
+    # Steps of 3 and 2 rows, padded to R = 4: rank 0 holds both steps' first halves.
+    assert laid == [rows[0], rows[1], rows[3], rows[4], rows[2], "PAD", "PAD", "PAD"]
+    assert adv.tolist() == [1.0, 2.0, 4.0, 5.0, 3.0, 0.0, 0.0, 0.0]
+    assert megatron_lm_rl_steps.step_rows(7) == 4
