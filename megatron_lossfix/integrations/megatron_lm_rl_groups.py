@@ -10,7 +10,11 @@ order, ``micro-batch size`` at a time, cycling; packed bins list global row indi
 rows concatenated in rank order, ``packing_info.bin_seq_indices``).
 
 :func:`install` wraps ``prepare_data_for_update`` so that it records, for the iterator it
-returns, each row's group (:class:`RowGroups`); the iterator and its items are unchanged.
+returns, each row's group (:class:`RowGroups`); the iterator and its items are unchanged. Under
+``--loss-reduction`` from core_v0.19 the patched function lays the rows out step by step
+(:mod:`~megatron_lossfix.integrations.megatron_lm_rl_steps`); the record then follows that
+layout (:func:`planned_groups`), and with packing the wrapper sets the step's micro-batch count
+to the bins of one step.
 :func:`micro_batch_groups` reads a micro-batch's group ids from that record.
 
 Up to core_v0.18 the step does not read every row once: it splits the rollouts over the DP
@@ -18,7 +22,8 @@ ranks, expands them into rows there, and sizes the step by the number of *rollou
 micro-batch per rollout, over the DP ranks). With multi-turn rollouts (or a number of rollouts
 that the DP ranks do not divide), each rank's loader then drops its last rows, or reads its
 first ones again, and which rows depends on the layout. Under ``--loss-reduction`` the wrapper
-refuses such a collection before its step, on every rank (:func:`unread_rows`).
+refuses such a collection before its step, on every rank (:func:`unread_rows`), and so a
+collection of several optimizer steps under DP (:func:`several_steps`).
 """
 
 from __future__ import annotations
@@ -229,7 +234,7 @@ def install(rl_utils: Any) -> None:
             ) or several_steps(margs, mpu.get_data_parallel_world_size())  # fmt: skip
             if reason is not None:
                 raise ValueError(f"megatron_lossfix: --loss-reduction: {reason}")
-        megatron_lm_rl_steps._CURRENT[0] = None  # order_rows sets it (patched, core_v0.19 on)
+        megatron_lm_rl_steps.reset()  # order_rows sets it (patched, core_v0.19 on)
         result = original(*args, **kwargs)
         iterator = result[0] if isinstance(result, tuple) else result
         plan = megatron_lm_rl_steps.current()

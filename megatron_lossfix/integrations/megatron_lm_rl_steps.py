@@ -40,6 +40,7 @@ __all__ = [
     "pack_steps",
     "plan_rows",
     "reconfigure_bins",
+    "reset",
     "step_of_rollouts",
     "step_rows",
     "steps_per_collection",
@@ -123,6 +124,12 @@ def current() -> StepRows | None:
     """The layout of the collection ``prepare_data_for_update`` is preparing (or last
     prepared) under ``--loss-reduction``; None stock."""
     return _CURRENT[0]
+
+
+def reset() -> None:
+    """Forget the last collection's layout (before ``prepare_data_for_update`` runs: a release
+    whose patch does not call :func:`order_rows` keeps none)."""
+    _CURRENT[0] = None
 
 
 def steps_per_collection(args: Any) -> int:
