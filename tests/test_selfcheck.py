@@ -710,3 +710,17 @@ def test_the_sketch_block_is_chosen_by_device_and_leaves_the_sketch_as_it_is():
     assert sketches[0].projections.abs().sum() > 0
     with pytest.raises(ValueError, match="multiple of 256"):
         sketch_gradients(params, shards, 1000)
+
+
+@pytest.mark.oracle
+def test_a_step_the_halves_cannot_check_says_what_the_check_did(dist_pool):
+    """MTP layers add gradient terms outside the loss, which halves of the loss tokens would
+    count twice: at micro-batch size 1 the default check compares the replicas only (one line
+    on rank 0), the asked-for one refuses on every rank in one line; never a bigger peak."""
+    mtp = {"mtp_num_layers": 1, **ROPE}
+    for rank, res in enumerate(dist_pool.run(_check_on_rank, 2, Layout(), 12, self_check=None,
+                                             **mtp)):  # fmt: skip
+        assert res["raised"] is None and res["checked"], f"rank {rank}: {res}"
+        assert res["plan"] is None and res["error"] is None and res["spread"] <= 1e-12, res
+    with pytest.raises(ValueError, match=r"self-check: no rank can move a row .* multi-token"):
+        dist_pool.run(_check_on_rank, 2, Layout(), 12, **mtp)
