@@ -90,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--lr", type=non_negative_float, default=1e-4, help="Adam learning rate")
     add("--seed", type=non_negative_int, default=1234, help="seed of weights and data")
     add("--bf16", action="store_true", help="Megatron-LM's --bf16 (default fp32)")
+    add("--num-experts", type=pos, default=None, help="MoE experts per layer (default: dense)")
     add("--ranks", default="1,2,4", help="comma-separated world sizes (data-parallel ranks)")
     add("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
     every = ", ".join(VARIANTS)

@@ -67,11 +67,20 @@ def _args(*flags: str, **extra: object) -> argparse.Namespace:
 
 
 @pytest.mark.unit
-def test_check_args_refuses_with_one_line_naming_the_flag() -> None:
+def test_check_args_refuses_with_one_line_naming_the_flag(capsys, monkeypatch) -> None:
+    from megatron_lossfix.step import selfcheck
+
+    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
     assert megatron_lm_rl.check_args(_args()) is None  # no flag: stock train_rl.py
     config = megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
     assert config.reduction == "sequence_mean"
-    assert config.self_check is False  # the default first-step check: skipped here, silently
+    assert config.self_check is False  # the default first-step check stays out here...
+    megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
+    said = capsys.readouterr().out.splitlines()  # ... and says so once
+    assert len(said) == 1 and said[0].startswith(
+        "megatron_lossfix self-check: not run in Megatron-LM's RL loop (train_rl.py): the plugin "
+        "writes its loss"
+    ), said
     refused = {
         "--context-parallel-size": _args("--loss-reduction", "token_mean",
                                          context_parallel_size=2),

@@ -105,9 +105,9 @@ def test_recorder_reads_next_only_iterators_and_keeps_copies():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sum"])
-def test_plugin_modes_check_their_first_step_by_default(reduction):
+def test_plugin_modes_check_their_first_step_by_default(reduction, capsys):
     """On unless opted out; not in the modes that depend on the split; a default check of a
-    step it cannot check says nothing, an asked-for one warns."""
+    step it cannot check says so in one line, an asked-for one warns."""
     assert LossFixConfig().self_check is None
     schedule = LossFixSchedule(LossFixConfig(reduction=reduction))
     assert schedule.self_check is not None and not schedule.self_check.explicit
@@ -117,8 +117,11 @@ def test_plugin_modes_check_their_first_step_by_default(reduction):
     call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=2)
     inner = _FakeStep()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the default skips silently
+        warnings.simplefilter("error")  # the default says so in one line, no warning
         assert schedule.self_check.run(inner, call) == ["ok"] and inner.calls == 1
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["megatron_lossfix self-check: not run on the first step: the model is not "
+                    "a torch.nn.Module: no gradient to compare"]  # fmt: skip
     asked = SelfCheck(LossFixConfig(reduction=reduction, self_check=True))
     with pytest.warns(UserWarning, match="self-check skipped: the model is not a torch.nn"):
         assert asked.run(inner, call) == ["ok"]
@@ -167,6 +170,8 @@ def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model
     from megatron_lossfix.runtime.losses import weighted_loss
 
     counter[0] += 1
+    if counter[0] == counter[1]:  # a model error on this rank only (the test's choice)
+        raise RuntimeError(f"the model failed on forward step {counter[0]}")
     if broadcast_rows and not ps.is_pipeline_last_stage():
         batch = _broadcast_first_stage_batch(data_iterator, broadcast_rows)
     else:
@@ -218,12 +223,18 @@ def _check_on_rank(
     finalize: str = "megatron",
     self_check: bool | None = True,
     peaks: bool = False,
+    packed: bool = False,
+    seq: int = 16,
+    fail_at: tuple[int, int] | None = None,
     **model_kwargs,
 ) -> dict:
     """A plain step, then the same step under the self-check (``self_check``: the config's
     value, None: its default), then a second checked step; every rank returns what it saw
     (rank 0 also compares the full gradients; ``peaks``: the tensor peaks of the first two
-    schedule calls, and the gradients' bytes)."""
+    schedule calls, and the gradients' bytes; ``packed``: each micro-batch one THD row with
+    ``cu_seqlens``, on a model without attention, which then mixes nothing across sequences;
+    ``fail_at``: (rank, n), forward_step raises on that rank at its n-th call of the checked
+    step)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -237,12 +248,14 @@ def _check_on_rank(
     )
 
     init_layout(layout)
+    if packed:
+        model_kwargs["no_attention"] = True
     chunks, config = build_tiny_gpt(
-        layout, seq_len=16, calculate_per_token_loss=per_token, **model_kwargs
+        layout, seq_len=seq, calculate_per_token_loss=per_token, **model_kwargs
     )
     set_deterministic_params(chunks, 1234)
     _break_finalize(config, finalize, ps.get_data_parallel_rank())
-    case = OracleCase()
+    case = OracleCase(seq_length=seq)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     sizes = microbatch_plan(case, dp, m)[rank]
     batch = make_global_batch(case, config.vocab_size)
@@ -250,7 +263,16 @@ def _check_on_rank(
     local = {k: v[start : start + sum(sizes)] for k, v in batch.items()}
     parts = {k: torch.split(v, sizes) for k, v in local.items()}
     mbs = [{k: parts[k][i] for k in local} | id_ranges(case) for i in range(m)]
-    counter = [0]
+    if packed:  # [1, b*s] rows with their sequence boundaries (ids stay one per sequence)
+        mbs = [
+            {
+                k: v.reshape(1, -1) if torch.is_tensor(v) and v.dim() > 1 else v
+                for k, v in mb.items()
+            }
+            | {"cu_seqlens": torch.arange(0, mb["tokens"].numel() + 1, 16, dtype=torch.int32)}
+            for mb in mbs
+        ]
+    counter = [0, 0]
     peak_bytes = []
 
     def step(schedule):
@@ -270,8 +292,8 @@ def _check_on_rank(
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=m,
-            seq_length=16,
-            micro_batch_size=sizes[0],
+            seq_length=seq * (sizes[0] if packed else 1),
+            micro_batch_size=1 if packed else sizes[0],
             forward_only=False,
         )
         peak_bytes.append(tensor_peak(call)[1:]) if peaks else call()
@@ -290,9 +312,13 @@ def _check_on_rank(
     if peaks:  # each of the check's runs marked, to read what is live when it starts
         schedule.step = _Marked(schedule.step)
     checker = schedule.self_check or SelfCheck(config_)  # opted out: a check that never ran
+    if fail_at is not None and fail_at[0] == torch.distributed.get_rank():
+        counter[1] = fail_at[1]
     try:
         checked, checked_rng, checked_calls, checked_loss = step(schedule)
-    except SelfCheckError as exc:
+    except (SelfCheckError, RuntimeError) as exc:
+        if fail_at is None and not isinstance(exc, SelfCheckError):
+            raise
         # Every rank must reach the verdict, or the others would hang in the next collective.
         return {
             "raised": str(exc),
@@ -355,15 +381,28 @@ def _assert_passed(results: list[dict], plan_kind: str) -> None:
 
 
 ROPE = {"position_embedding_type": "rope"}
+MOE = {"num_experts": 4, "moe_aux_loss_coeff": 0.0}
 PASSING = [
     # id, layout, world, micro-batches, options, expected plan
     ("dp2-m2", Layout(), 2, 2, {}, "split"),
     ("dp2-m2-sum", Layout(), 2, 2, {"reduction": "sum"}, "split"),
     ("pp2-m4", Layout(pp=2), 2, 4, {}, "split"),
-    ("pp2-m8-merge", Layout(pp=2), 2, 8, {"reduction": "sequence_mean"}, "merge"),
-    # Group ids (one per row) are cut and merged with their rows; the group count goes along.
+    # Three rows per micro-batch under PP: rows dealt to other micro-batches of that size.
+    ("pp2-m8-shuffle", Layout(pp=2), 2, 8, {"reduction": "sequence_mean"}, "shuffle"),
+    # Group ids (one per row) are cut and dealt with their rows; the group count goes along.
     ("dp2-m2-group", Layout(), 2, 2, {"reduction": "group_mean"}, "split"),
-    ("pp2-m8-merge-group", Layout(pp=2), 2, 8, {"reduction": "group_mean"}, "merge"),
+    ("pp2-m8-shuffle-group", Layout(pp=2), 2, 8, {"reduction": "group_mean"}, "shuffle"),
+    # One row per micro-batch: two runs over halves of the loss tokens, no micro-batch grown.
+    ("dp2-m12-halves", Layout(), 2, 12, {}, "halves"),
+    ("dp2-m12-halves-per-token", Layout(), 2, 12, {"per_token": True}, "halves"),
+    ("dp2-m12-halves-moe", Layout(), 2, 12, MOE, "halves"),
+    ("pp2-m24-halves-seq", Layout(pp=2), 2, 24, {"reduction": "sequence_mean"}, "halves"),
+    ("dp2-m12-halves-group", Layout(), 2, 12, {"reduction": "group_mean"}, "halves"),
+    ("dp2-m12-halves-dropout", Layout(), 2, 12, {"hidden_dropout": 0.1}, "halves"),
+    # Packed (THD) micro-batches: one row each, so halves of their loss tokens.
+    ("dp2-m2-packed", Layout(), 2, 2, {"packed": True}, "halves"),
+    ("dp2-m2-packed-seq", Layout(), 2, 2, {"packed": True, "reduction": "sequence_mean"}, "halves"),
+    ("pp2-m4-packed-per-token", Layout(pp=2), 2, 4, {"packed": True, "per_token": True}, "halves"),
     ("pp2-vpp2-m4", Layout(pp=2, vpp=2), 2, 4, {}, "split"),
     ("dp2-m2-distopt", Layout(), 2, 2, {"use_distributed_optimizer": True}, "split"),
     ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),
@@ -390,6 +429,13 @@ FAILING = [
     ("dp2-m2-per-token-double", Layout(), 2, 2, {"loss": "double", "per_token": True}),
     ("dp2-m2-mask-mean", Layout(), 2, 2, {"loss": "mask_mean"}),
     ("pp2-m4-double", Layout(pp=2), 2, 4, {"loss": "double"}),
+    # Micro-batch size 1 (halves of the loss tokens), dense and MoE, and packed micro-batches.
+    ("dp2-m12-mask-mean", Layout(), 2, 12, {"loss": "mask_mean"}),
+    ("dp2-m12-double", Layout(), 2, 12, {"loss": "double"}),
+    ("dp2-m12-moe-mask-mean", Layout(), 2, 12, {"loss": "mask_mean", **MOE}),
+    ("dp2-m12-per-token-double", Layout(), 2, 12, {"loss": "double", "per_token": True}),
+    ("dp2-m2-packed-mask-mean", Layout(), 2, 2, {"loss": "mask_mean", "packed": True}),
+    ("pp2-m24-mask-mean", Layout(pp=2), 2, 24, {"loss": "mask_mean"}),
     (
         "tp2-pp2-m4-broadcast-double",
         Layout(tp=2, pp=2),
@@ -494,7 +540,7 @@ def _held_gradients_on_rank() -> dict:
     chunks[0].zero_grad_buffer()
     for param in chunks[0].parameters():
         param.main_grad.fill_(1.0)
-    counter = [0]
+    counter = [0, 0]
     schedule = LossFixSchedule(LossFixConfig(reduction="token_mean", self_check=True))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -523,3 +569,158 @@ def test_gradients_held_before_the_step_are_not_checked(dist_pool):
     for rank, res in enumerate(dist_pool.run(_held_gradients_on_rank, 2)):
         assert res["calls"] == 2 and res["error"] is None, f"rank {rank}: {res}"
         assert any("not zero before the step" in w for w in res["warnings"]), res
+
+
+@pytest.mark.oracle
+def test_micro_batch_one_is_checked_without_growing_a_micro_batch(dist_pool):
+    """Micro-batches of one row: the check runs halves of the loss tokens in micro-batches of
+    the step's own size, so the checked step's tensor peak stays within 5% of a plain step's
+    (merging pairs, as before, doubled the activations)."""
+    results = dist_pool.run(_check_on_rank, 2, Layout(), 12, peaks=True, hidden=64, seq=256)
+    _assert_passed(results, "halves")
+    for rank, res in enumerate(results):
+        plain, checked, held, grads = res["peaks"]
+        print(f"rank {rank}: {plain=} {checked=} {held=} {grads=}")
+        assert checked <= 1.05 * plain, f"rank {rank}: {plain=} {checked=}"
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size()
+
+
+@pytest.mark.oracle
+def test_a_model_error_on_one_rank_ends_every_rank():
+    """forward_step raises on rank 1 only, in the check's re-split run (halves at micro-batch
+    size 1, then split rows): rank 1 ends with one line naming the step's own micro-batch, and
+    rank 0, left waiting in a collective, ends with the same line within the collective's
+    timeout (20 s here), not with its own collective's error."""
+    import time
+
+    from megatron_lossfix.audit.pool import DistPool
+
+    with DistPool(2, timeout_s=20) as pool:
+        assert pool.run(_world_size, 2) == [2, 2]  # started: time the runs only
+        for m, n, microbatch in [(12, 4, 3), (2, 3, 1)]:
+            start = time.monotonic()
+            results = pool.run(_check_on_rank, 2, Layout(), m, fail_at=(1, n))
+            assert time.monotonic() - start < 20 + 25, "rank 0 did not end within the timeout"
+            want = f"forward_step raised RuntimeError: the model failed on forward step {n} on "
+            want += f"rank 1 reading micro-batch {microbatch} of the first step"
+            for rank, res in enumerate(results):
+                assert res["raised"] is not None and want in res["raised"], f"rank {rank}: {res}"
+                assert "\n" not in res["raised"]
+            assert results[0]["raised"].startswith(results[1]["raised"])  # the same line
+
+
+def _bridge_loop_on_rank(loss: str, reduction: str) -> dict:
+    """Bridge's loop on DP2 without Bridge: ``BridgeLossFix`` around Megatron's schedule, its
+    default first-step check, packed micro-batches in Bridge's layout (``cu_seqlens`` ``[1, n]``
+    with a negative sentinel) and a loss function taking ``lossfix=`` as Bridge's does;
+    ``loss``: ``plugin`` (the plugin's weights) or ``mask_mean`` (a mean over the raw mask)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
+    from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
+    from megatron_lossfix.integrations.bridge import BridgeLossFix
+
+    init_layout(Layout())
+    chunks, config = build_tiny_gpt(Layout(), seq_len=16, no_attention=True)
+    case, rank = OracleCase(), ps.get_data_parallel_rank()
+    sizes = microbatch_plan(case, ps.get_data_parallel_world_size(), 2)[rank]
+    batch = make_global_batch(case, config.vocab_size)
+    local = {k: v[rank * sum(sizes) : (rank + 1) * sum(sizes)] for k, v in batch.items()}
+    parts = {k: torch.split(v, sizes) for k, v in local.items()}
+    mbs = []
+    for i, n in enumerate(sizes):
+        mb = {k: parts[k][i].reshape(1, -1) for k in ("tokens", "labels", "loss_mask")}
+        mb["position_ids"] = parts["position_ids"][i].reshape(1, -1)
+        cu = torch.arange(0, 16 * n + 1, 16, dtype=torch.int32)
+        mb["cu_seqlens"] = torch.cat([cu, torch.tensor([-1], dtype=torch.int32)])[None]
+        mbs.append(mb)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+
+        def loss_func(output_tensor, lossfix=None):
+            if loss == "mask_mean" or lossfix is None:
+                mask = mb["loss_mask"].float()
+                return (output_tensor * mask).sum() / mask.sum().clamp(min=1), {}
+            return lossfix(output_tensor)
+
+        return output, loss_func
+
+    schedule = BridgeLossFix(LossFixConfig(reduction=reduction), get_forward_backward_func())
+    chunks[0].zero_grad_buffer()
+    try:
+        schedule(forward_step_func=forward_step, data_iterator=iter(mbs), model=chunks,
+                 num_microbatches=2, seq_length=16 * sizes[0], micro_batch_size=1,
+                 forward_only=False)  # fmt: skip
+    except SelfCheckError as exc:
+        return {"raised": str(exc), "plan": schedule.self_check.last_plan}
+    check = schedule.self_check
+    return {"raised": None, "plan": check.last_plan, "error": check.last_error}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_bridge_loop_checks_packed_micro_batches_by_default(dist_pool, reduction):
+    """Bridge's loop checks its first step by default, packed micro-batches included: the
+    plugin's loss passes, a mean over the raw mask is stopped on every rank with one line."""
+    for rank, res in enumerate(dist_pool.run(_bridge_loop_on_rank, 2, "plugin", reduction)):
+        assert res["raised"] is None and res["plan"][0] == "halves", f"rank {rank}: {res}"
+        assert res["error"] <= 1e-5, res
+    results = dist_pool.run(_bridge_loop_on_rank, 2, "mask_mean", reduction)
+    for rank, res in enumerate(results):
+        assert res["raised"] is not None and "\n" not in res["raised"], f"rank {rank}: {res}"
+        assert "as two runs of its 2 micro-batches" in res["raised"], res
+    assert len({res["raised"] for res in results}) == 1
+
+
+@pytest.mark.unit
+def test_the_sketch_block_is_chosen_by_device_and_leaves_the_sketch_as_it_is():
+    """Small blocks on a CPU, large ones (1-8 Mi elements) on an accelerator, where each block
+    costs a few kernel launches; the random matrices are drawn row by row, so the sketch is the
+    same whatever the block (up to fp64 rounding), and a block that is not whole rows is
+    refused."""
+    from megatron_lossfix.runtime.process_groups import ModelParallelGroups
+    from megatron_lossfix.step.gradient_sketch import (
+        BLOCK,
+        DEVICE_BLOCK,
+        WIDTH,
+        block_elements,
+        sketch_gradients,
+    )
+
+    assert block_elements("cpu") == BLOCK == 65_536
+    assert block_elements("cuda") == block_elements(torch.device("cuda", 1)) == DEVICE_BLOCK
+    assert 2**20 <= DEVICE_BLOCK <= 8 * 2**20 and DEVICE_BLOCK % WIDTH == 0
+    gen = torch.Generator().manual_seed(3)
+    params = []
+    for shape in [(700, 300), (5,), (70_001,), (2, 256)]:
+        param = torch.nn.Parameter(torch.zeros(shape))
+        param.grad = torch.randn(shape, generator=gen)
+        params.append(param)
+    shards = ModelParallelGroups(tp=None, mp=None, expert_mp=None)
+    sketches = [sketch_gradients(params, shards, block) for block in (WIDTH, BLOCK, 2**20)]
+    for other in sketches[1:]:
+        torch.testing.assert_close(other.projections, sketches[0].projections, rtol=1e-12, atol=0)
+        torch.testing.assert_close(other.sums, sketches[0].sums, rtol=1e-12, atol=1e-12)
+    assert sketches[0].projections.abs().sum() > 0
+    with pytest.raises(ValueError, match="multiple of 256"):
+        sketch_gradients(params, shards, 1000)
+
+
+@pytest.mark.oracle
+def test_a_step_the_halves_cannot_check_says_what_the_check_did(dist_pool):
+    """MTP layers add gradient terms outside the loss, which halves of the loss tokens would
+    count twice: at micro-batch size 1 the default check compares the replicas only (one line
+    on rank 0), the asked-for one refuses on every rank in one line; never a bigger peak."""
+    mtp = {"mtp_num_layers": 1, **ROPE}
+    for rank, res in enumerate(dist_pool.run(_check_on_rank, 2, Layout(), 12, self_check=None,
+                                             **mtp)):  # fmt: skip
+        assert res["raised"] is None and res["checked"], f"rank {rank}: {res}"
+        assert res["plan"] is None and res["error"] is None and res["spread"] <= 1e-12, res
+    with pytest.raises(ValueError, match=r"self-check: no rank can move a row .* multi-token"):
+        dist_pool.run(_check_on_rank, 2, Layout(), 12, **mtp)

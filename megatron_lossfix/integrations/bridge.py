@@ -128,12 +128,9 @@ class BridgeLossFix(MegatronLMLossFix):
         record_metrics: bool = False,
     ) -> None:
         # Sequence boundaries of packed batches come from Bridge's keys (see _LossStageBatches).
-        # Bridge's loop does not run the first-step check unless asked (self_check=True).
+        # The first step is checked as in Megatron-LM's loop, packed micro-batches included.
         super().__init__(
-            dataclasses.replace(
-                config, cu_seqlens_key=_CU_SEQLENS_KEY, self_check=bool(config.self_check)
-            ),
-            forward_backward_func,
+            dataclasses.replace(config, cu_seqlens_key=_CU_SEQLENS_KEY), forward_backward_func
         )
         self.user_config = config
         # MegatronLMLossFix computes step metrics when it has somewhere to write them.

@@ -43,6 +43,7 @@ from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups
+from megatron_lossfix.step.selfcheck import left_out
 
 __all__ = [
     "ITEM_KEY",
@@ -121,7 +122,13 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
             "megatron_lossfix: --loss-reduction in train_rl.py cannot be combined with "
             + "; ".join(reasons)
         )
-    # Not asked for: the default first-step check is skipped here, silently.
+    # Not asked for: the default first-step check stays out here, and says so once.
+    if config.self_check is None:
+        left_out(
+            "Megatron-LM's RL loop (train_rl.py)",
+            "the plugin writes its loss (rl_loss over the plugin's weights) and its rollout "
+            "rows and packed bins, so there is no user loss to check",
+        )
     return dataclasses.replace(config, self_check=False)
 
 

@@ -49,6 +49,7 @@ import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.step.schedule import LossFixSchedule
+from megatron_lossfix.step.selfcheck import left_out
 
 # LossFixModelWrapper is made by the module's __getattr__, which imports SkyRL on first use.
 __all__ = [  # noqa: F822
@@ -267,6 +268,12 @@ class _LossFixWrapperMixin:
         # SkyRL defers the gradients' data-parallel reduction to its optimizer step
         # (run_pending_grad_sync), so right after a step they are not yet equal on every
         # rank: the first-step check runs only when asked for.
+        if lossfix.self_check is None:
+            left_out(
+                "SkyRL's model wrapper",
+                "the adapter writes the loss from SkyRL's, and SkyRL reduces the gradients "
+                "over data-parallel ranks only at its optimizer step",
+            )
         lossfix = dataclasses.replace(lossfix, self_check=bool(lossfix.self_check))
         self.lossfix_config = lossfix
         # One schedule for the wrapper's life: its per-model checks run once.

@@ -60,6 +60,7 @@ import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.step.schedule import LossFixSchedule
+from megatron_lossfix.step.selfcheck import left_out
 
 __all__ = [
     "SLIME_MODES",
@@ -92,6 +93,12 @@ def lossfix_config_for(args: Any, *, mask_in_loss: bool = False) -> LossFixConfi
     if per_token is None:
         raise ValueError("slime args have no calculate_per_token_loss: pass slime's parsed args")
     mode = SLIME_MODES["per_token" if per_token else "per_rollout"]
+    if os.environ.get(SELF_CHECK_ENV) != "1":
+        left_out(
+            "slime's adapter",
+            f"the adapter writes the loss from slime's per-token losses; {SELF_CHECK_ENV}=1 "
+            "runs it",
+        )
     return LossFixConfig(
         reduction=mode,
         self_check=os.environ.get(SELF_CHECK_ENV) == "1",

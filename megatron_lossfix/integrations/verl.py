@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.step.selfcheck import left_out
 
 __all__ = [
     "ENV",
@@ -249,6 +250,12 @@ def forward_backward_batch(
         )
 
     # A schedule per call: every step would be its first; the check runs only when asked.
+    if config.self_check is None:
+        left_out(
+            "verl's schedule",
+            "the adapter writes the loss from verl's and builds a schedule per call (every "
+            "step would be its first); LossFixConfig(self_check=True) checks every step",
+        )
     checked = dataclasses.replace(config, self_check=bool(config.self_check))
     losses_reduced = LossFixSchedule(checked)(
         forward_step_func=forward_step,

@@ -82,6 +82,9 @@ class Step:
         self.last_step: StepRecord | None = None
         """This rank's record of the last step: None before the first and after a step that
         raised (a refused one too)."""
+        self.weights_filter: Callable[[int, Any], Any] | None = None
+        """What the first-step check sets for its runs over halves of the loss tokens: micro-batch
+        ``k``'s weights are ``weights_filter(k, weights)`` (docs/design.md §9); None: as weighed."""
 
     def __call__(self, **call: Any) -> Any:
         self.last_step = None  # a step that raises leaves no record behind
@@ -142,6 +145,8 @@ class Step:
         if record.groups.is_last_stage:
             record.kept = kept_step(record, data)
             weights = microbatch_weights(record, data)
+            if self.weights_filter is not None:
+                weights = [self.weights_filter(k, w) for k, w in enumerate(weights)]
             record.mtp = mtp_weights(record, mtp_masks, agreed.mtp)
             scale = loss_factor(record)
             settings = PassSettings(

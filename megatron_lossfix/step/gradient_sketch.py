@@ -21,6 +21,8 @@ __all__ = [
     "HOW_MEASURED",
     "PROJECTIONS",
     "Sketch",
+    "block_elements",
+    "combined",
     "gradient",
     "relative_error",
     "sketch_gradients",
@@ -29,10 +31,20 @@ __all__ = [
 #: Seeded Gaussian projections of each run's gradient that the check compares (docs/design.md §9).
 PROJECTIONS = 16
 WIDTH = 256  # a gradient is read as rows of this many elements, each row projected at once
-ROWS = 256  # rows per block: the check's temporaries are a few blocks (512 KiB in fp64)
+ROWS = 256  # rows per block on a CPU: the check's temporaries are a few blocks (512 KiB in fp64)
 SEED = 45
 HOW_MEASURED = f"estimated from {PROJECTIONS} random projections"
-BLOCK = ROWS * WIDTH  # elements read at once
+BLOCK = ROWS * WIDTH  # elements read at once on a CPU
+#: Elements read at once on an accelerator: a few kernels per block, so blocks are large there
+#: (4 Mi elements: 32 MiB of fp64 temporaries); a CPU gains nothing from larger ones.
+DEVICE_BLOCK = 16 * 1024 * WIDTH
+
+
+def block_elements(device: torch.device | str) -> int:
+    """How many gradient elements the sketch reads at once on ``device`` (a multiple of
+    ``WIDTH``): ``BLOCK`` on a CPU, ``DEVICE_BLOCK`` elsewhere. The sketch does not depend on
+    it (up to fp64 rounding; on a CPU, whose random stream is the same cut anywhere)."""
+    return BLOCK if torch.device(device).type == "cpu" else DEVICE_BLOCK
 
 
 @dataclass(slots=True)
@@ -47,17 +59,22 @@ class Sketch:
     projections: torch.Tensor  # (2, PROJECTIONS, WIDTH)
 
 
-def sketch_gradients(params: list, shards: ModelParallelGroups) -> Sketch:
+def sketch_gradients(params: list, shards: ModelParallelGroups, block: int | None = None) -> Sketch:
     """The sketch of the gradients now held, block by block (temporaries of one block).
 
     A gradient of n elements is read as rows of ``WIDTH`` (the last one zero-padded); each
-    block of ``ROWS`` rows is multiplied by a (PROJECTIONS x rows) standard normal matrix drawn
+    block of rows (``block`` elements; by default :func:`block_elements` of the gradients'
+    device) is multiplied by a (PROJECTIONS x rows) standard normal matrix drawn row by row
+    (``PROJECTIONS`` numbers per gradient row, so the draws do not depend on the block size)
     from a generator seeded by the parameter's index and the rank in the group its error is
     summed over (the same on DP x CP replicas, which hold the same gradient; independent across
     the ranks whose projections add up), so that both runs draw the same matrices. The matrix
     is drawn in fp32 (a quarter of the time of fp64 draws) and cast; the product and its sums
     are fp64."""
     device = params[0].device if params else torch.device("cpu")
+    block = block_elements(device) if block is None else block
+    if block < WIDTH or block % WIDTH:
+        raise ValueError(f"the sketch's block must be a positive multiple of {WIDTH}, got {block}")
     on = {"device": device}
     sums = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
     counted = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
@@ -78,8 +95,8 @@ def sketch_gradients(params: list, shards: ModelParallelGroups) -> Sketch:
             counted[i, kind] = 1.0
             generator = torch.Generator(device=grad.device)
             generator.manual_seed(((SEED * 1_000_003 + ranks[kind]) * 1_000_003 + i) % 2**63)
-        for block in grad.detach().reshape(-1).split(BLOCK):
-            x = block.to(torch.float64)
+        for part in grad.detach().reshape(-1).split(block):
+            x = part.to(torch.float64)
             sums[i, 0] += x.sum()
             sums[i, 1] += torch.dot(x, x)
             if generator is None:
@@ -88,9 +105,19 @@ def sketch_gradients(params: list, shards: ModelParallelGroups) -> Sketch:
             if x.numel() < rows * WIDTH:  # only a gradient's last block
                 x = torch.nn.functional.pad(x, (0, rows * WIDTH - x.numel()))
             x = x.view(rows, WIDTH)
-            r = torch.randn(PROJECTIONS, rows, generator=generator, dtype=torch.float32, **on)
-            projections[kind].addmm_(r.to(torch.float64), x)
+            r = torch.randn(rows, PROJECTIONS, generator=generator, dtype=torch.float32, **on)
+            projections[kind].addmm_(r.to(torch.float64).T, x)
     return Sketch(sums, numel, counted, projections)
+
+
+def combined(parts: list[tuple[Sketch, float]], like: Sketch) -> Sketch:
+    """The sketch of ``sum(factor * gradient)`` over ``parts`` (sketch, factor): the sums and
+    projections are linear in the gradient; the squared norms, which are not, are ``like``'s
+    (so the comparison with ``like`` rests on the sums and the projections)."""
+    sums = like.sums.clone()
+    sums[:, 0] = sum(factor * sketch.sums[:, 0] for sketch, factor in parts)
+    projections = sum(factor * sketch.projections for sketch, factor in parts)
+    return Sketch(sums, like.numel, like.counted, projections)
 
 
 def gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

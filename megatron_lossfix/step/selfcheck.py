@@ -14,6 +14,7 @@ explicitly (``self_check=True``), a step that cannot be checked is warned about 
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -29,21 +30,23 @@ from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.step.driver import Step
 from megatron_lossfix.step.gradient_sketch import (
-    BLOCK,
     HOW_MEASURED,
     Sketch,
+    block_elements,
+    combined,
     gradient,
     relative_error,
     sketch_gradients,
 )
 from megatron_lossfix.step.megatron_compat import (
+    gradient_side_paths,
     model_config_of,
     model_parallel_groups,
     resolve_groups,
 )
-from megatron_lossfix.step.microbatch_resplit import resplit, resplit_plan
+from megatron_lossfix.step.microbatch_resplit import loss_token_half, resplit, resplit_plan
 
-__all__ = ["SelfCheck", "SelfCheckError", "first_step_check"]
+__all__ = ["SelfCheck", "SelfCheckError", "first_step_check", "left_out"]
 
 
 class SelfCheckError(RuntimeError):
@@ -57,6 +60,19 @@ def first_step_check(config: LossFixConfig) -> SelfCheck | None:
     if wanted is None:
         wanted = not mode_of(config.reduction).split_dependent
     return SelfCheck(config) if wanted else None
+
+
+_LEFT_OUT: set[str] = set()  # where this process already said the check stays out
+
+
+def left_out(where: str, why: str) -> None:
+    """Say once per process (rank 0), in one line, that the default first-step check does not
+    run in ``where``, and ``why`` (docs/design.md §9): never a silent skip."""
+    if where in _LEFT_OUT:
+        return
+    _LEFT_OUT.add(where)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"megatron_lossfix self-check: not run in {where}: {why}", flush=True)
 
 
 class SelfCheck:
@@ -113,38 +129,49 @@ class SelfCheck:
         flags = [float(problem is not None), float(plan is not None and problem is None), held]
         failed, changed, held_any = _max(flags, device, shards.mp, groups.dp_cp).tolist()
         normal = _replays(call, reads)
-        if failed and self.explicit:  # every rank: the flags are all-reduced
-            problem = problem or "another rank could not re-split its micro-batches"
-            drop = "this data cannot be checked: drop --lossfix-self-check"
-            raise ValueError(f"megatron_lossfix self-check: {problem}; {drop}")
-        if held_any or failed or not changed:
-            self._skipped(
-                "the gradients were not zero before the step (accumulated over calls)"
-                if held_any
-                else "no rank can re-split its step (one micro-batch of one row)"
-            )
-            result = run(**normal)
-            if not held_any:
+        if held_any:
+            self._skipped("the gradients were not zero before the step (accumulated over calls)")
+            return run(**normal)
+        if failed or not changed:  # rows cannot move without growing: halves of the tokens
+            target = _plugin_step(step)
+            why_not = _why_no_halves(self.config, model_config, target)  # the same everywhere
+            if why_not:
+                problem = problem or "no rank can move a row without growing a micro-batch"
+                if self.explicit:  # every rank: the flags are all-reduced
+                    drop = "this data cannot be checked: drop --lossfix-self-check"
+                    raise ValueError(f"megatron_lossfix self-check: {problem}; {why_not}; {drop}")
+                self._skipped(f"{problem}, and {why_not}; only the replicas were compared")
+                result = run(**normal)
                 self._replicas(chunks, params, groups, shards, device)
-            return result
+                return result
+            plan, items = ("halves", 2, m, None), reads
         self.last_plan = plan
-        # 3. The re-split run (and, with dropout, the normal split, both in eval mode), each
+        # 3. The re-split run(s) (and, with dropout, the normal split, all in eval mode), each
         # summarized by its sketch; RNG states put back after them.
+        per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
+        tokens = torch.zeros(3, dtype=torch.float64, device=device)  # per-token divisors
         try:
-            resplit_sketch, reference = _reruns(run, call, reads, items, plan, chunks, params,
-                                                unset, model_config, shards)  # fmt: skip
+            runs, reference = _reruns(run, _plugin_step(step), call, reads, items, plan, chunks,
+                                      params, unset, model_config, shards, tokens)  # fmt: skip
         except StepRefused:  # on every rank: the normal split's refusal names its micro-batches
             _zero_grads(chunks, params, unset)
             run(**normal)
             raise
+        except Exception as exc:
+            raise _rerun_failed(exc, plan) from exc
         # 4. The normal run, last: training goes on from it, as without the check; 5. every
         # DP x CP replica must hold the same reduced gradient.
         _zero_grads(chunks, params, unset)
-        result = run(**normal)
+        counted = _counting_tokens(call["forward_step_func"], tokens, 2) if per_token else None
+        result = run(**({**normal, "forward_step_func": counted} if counted else normal))
         sketch = self._replicas(chunks, params, groups, shards, device)
-        # 6. The re-split run's sketch against the normal run's.
-        error = relative_error(sketch if reference is None else reference, resplit_sketch,
-                                shards, device)  # fmt: skip
+        reference = sketch if reference is None else reference
+        # 6. The re-split run's sketch (the halves' sum) against the normal run's.
+        resplit_sketch = runs[0]
+        if len(runs) == 2:
+            factors = _divisor_factors(tokens, per_token, groups, shards, device)
+            resplit_sketch = combined(list(zip(runs, factors, strict=True)), reference)
+        error = relative_error(reference, resplit_sketch, shards, device)
         self.last_error = error
         self._report(error, m, plan)
         return result
@@ -170,10 +197,12 @@ class SelfCheck:
         return sketch
 
     def _skipped(self, why: str) -> None:
-        """A step that cannot be checked: a warning when the check was asked for, else
-        nothing (the default skips silently)."""
+        """A step that cannot be checked: a warning when the check was asked for, else one
+        line (rank 0): never a silent skip."""
         if self.explicit:
             warnings.warn(f"megatron_lossfix self-check skipped: {why}", stacklevel=4)
+        elif not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"megatron_lossfix self-check: not run on the first step: {why}", flush=True)
 
     def _replicas_differ(
         self, spread: float, mine: bool, worst: int, chunks: list, params: list, groups: StepGroups
@@ -230,9 +259,10 @@ def _entry_state(params: list, device: torch.device) -> tuple[list[bool], float]
     runs start from zero, as a step after ``zero_grad_buffer`` does), else 0.0."""
     unset = [gradient(p) is None for p in params]
     held = torch.zeros((), dtype=torch.bool, device=device)
+    size = block_elements(device)
     for param in params:
         grad = gradient(param)
-        for block in () if grad is None else grad.detach().reshape(-1).split(BLOCK):
+        for block in () if grad is None else grad.detach().reshape(-1).split(size):
             held |= block.any()
     return unset, float(held)
 
@@ -332,6 +362,7 @@ def _replays(call: dict, reads: list, plan: tuple | None = None, source: bool = 
 
 def _reruns(
     run: Callable[..., Any],
+    step: Step,
     call: dict,
     reads: list,
     items: list,
@@ -341,16 +372,31 @@ def _reruns(
     unset: list[bool],
     model_config: Any,
     shards: ModelParallelGroups,
-) -> tuple[Sketch, Sketch | None]:
-    """The re-split run's sketch, and the reference's: None (the normal run, after these) or,
-    with dropout, whose masks cannot match across splits, the normal split's, both runs then in
-    eval mode. The RNG states are put back after them."""
+    tokens: torch.Tensor,
+) -> tuple[list[Sketch], Sketch | None]:
+    """The re-split run's sketch (``halves``: the two runs' sketches, each run weighing one half
+    of every micro-batch's loss tokens; ``tokens[0:2]`` gets the token counts their losses
+    return), and the reference's: None (the normal run, after these) or, with dropout, whose
+    masks cannot match across splits, the normal split's, all runs then in eval mode. The RNG
+    states are put back after each run. A model error names the step's own micro-batch."""
 
-    def rerun(data: list, plan: tuple | None) -> Sketch:
+    def rerun(data: list, plan: tuple | None, which: int | None = None) -> Sketch:
         _zero_grads(chunks, params, unset)
-        run(**_replays(call, data, plan, source=False))
+        kwargs = _replays(call, data, plan if which is None else None, source=False)
+        kwargs["forward_step_func"] = _named_errors(kwargs["forward_step_func"], plan)
+        if which is not None:
+            kwargs["forward_step_func"] = _counting_tokens(kwargs["forward_step_func"], tokens,
+                                                           which)  # fmt: skip
+            step.weights_filter = loss_token_half(which)
+        try:
+            with rng_restored():
+                run(**kwargs)
+        finally:
+            step.weights_filter = None
         _unshard(chunks)
-        return sketch_gradients(params, shards)
+        sketch = sketch_gradients(params, shards)
+        _return_freed_host_memory()
+        return sketch
 
     training = [c.training for c in chunks]
     rates = [getattr(model_config, f"{k}_dropout", 0) for k in ("hidden", "attention")]
@@ -360,11 +406,163 @@ def _reruns(
         with rng_restored():
             for chunk in chunks if dropout else ():
                 chunk.eval()
-            resplit_run = rerun(items, plan)
-            return resplit_run, rerun(reads, None) if dropout else None
+            if plan[0] == "halves":
+                runs = [rerun(reads, plan, 0), rerun(reads, plan, 1)]
+            else:
+                runs = [rerun(items, plan)]
+            return runs, rerun(reads, None) if dropout else None
     finally:
         for chunk, mode in zip(chunks, training, strict=True) if dropout else ():
             chunk.train(mode)
+
+
+def _return_freed_host_memory() -> None:
+    """Hand the host memory the last run freed back to the system (glibc's ``malloc_trim``),
+    so that the next run's buffers do not stack on a fragmented heap: the check's runs then
+    leave a process's peak as one run does. Nothing where that call does not exist."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _counting_tokens(forward_step_func: Callable, tokens: torch.Tensor, slot: int) -> Callable:
+    """``forward_step_func`` whose loss functions add the token counts they return to
+    ``tokens[slot]`` (on the device: Megatron's per-token path divides the gradient by their
+    sum, which the runs over halves of the loss tokens change)."""
+
+    def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
+        output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+
+        @functools.wraps(loss_func)
+        def loss(*a: Any, **kw: Any) -> Any:
+            outputs = loss_func(*a, **kw)
+            if isinstance(outputs, (tuple, list)) and len(outputs) == 3:
+                if isinstance(outputs[1], torch.Tensor):
+                    tokens[slot] += outputs[1].detach().to(tokens.device, tokens.dtype).sum()
+            return outputs
+
+        return output, loss
+
+    return forward_step
+
+
+def _divisor_factors(
+    tokens: torch.Tensor,
+    per_token: bool,
+    groups: StepGroups,
+    shards: ModelParallelGroups,
+    device: torch.device,
+) -> list[float]:
+    """What each run over half of the loss tokens is multiplied by to be the half of the normal
+    run's gradient: 1, except on Megatron's per-token path, which divided each run's gradient by
+    its own token count (summed over DP x CP) instead of the normal run's."""
+    if not per_token:
+        return [1.0, 1.0]
+    total = tokens.clone()
+    if group_size(groups.dp_cp) > 1:
+        dist.all_reduce(total, group=groups.dp_cp)
+    total = _max(total, device, shards.mp)  # the loss stage's counts on every stage
+    halves, normal = total[:2].tolist(), float(total[2])
+    return [half / normal if normal > 0 else 1.0 for half in halves]
+
+
+class _ModelError(RuntimeError):
+    """The user's ``forward_step`` raised in a re-run of the check (``microbatch``: the step's
+    own micro-batch it was reading, or None)."""
+
+    def __init__(self, error: BaseException, microbatch: int | None) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error, self.microbatch = error, microbatch
+
+
+def _named_errors(forward_step_func: Callable, plan: tuple) -> Callable:
+    """``forward_step_func`` whose errors name the step's own micro-batch: the forward steps of
+    each model chunk are counted, and the re-run's micro-batch mapped back by ``plan``."""
+    calls: dict[int, int] = {}
+
+    def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
+        j = calls.get(id(model), 0)
+        calls[id(model)] = j + 1
+        try:
+            return forward_step_func(data_iterator, model, *args, **kwargs)
+        except _ModelError:
+            raise
+        except Exception as exc:
+            kind = plan[0]
+            k = j // 2 if kind == "split" else j if kind == "halves" else None
+            raise _ModelError(exc, k) from exc
+
+    return forward_step
+
+
+_RERUNS = [0]  # the check's re-runs started in this process: a store key per check
+
+
+def _rerun_failed(error: BaseException, plan: tuple) -> BaseException:
+    """The one-line error of a re-run that raised: this rank's model error, naming the step's
+    micro-batch, is written to the process group's store, so that ranks waiting for this one
+    in a collective, which fail when it leaves (or at the collective's timeout), end with the
+    same line instead of their own collective's error."""
+    _RERUNS[0] += 1
+    key = f"megatron_lossfix/self_check/error/{_RERUNS[0]}"
+    store = _default_store()
+    if isinstance(error, _ModelError):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = "" if error.microbatch is None else f" reading micro-batch {error.microbatch}"
+        message = (
+            f"megatron_lossfix self-check: forward_step raised {error} on rank {rank}{where} "
+            f"of the first step (micro-batches as the step splits them; the check's re-run "
+            f"{_how(0, plan)}): fix "
+            "the model or its data, or drop the check with --no-lossfix-self-check"
+        ).replace("\n", " ")
+        if store is not None:
+            store.set(key, message)
+        return RuntimeError(message)
+    if store is not None and dist.is_initialized():
+        try:
+            if store.check([key]):
+                return RuntimeError(store.get(key).decode() + " (seen from rank "
+                                    f"{dist.get_rank()}, which waited for it)")  # fmt: skip
+        except Exception:  # noqa: BLE001 - the store may be gone with its peers: the own error
+            pass
+    return error
+
+
+def _default_store() -> Any:
+    """The default process group's store, or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no store: each rank reports its own error
+        return None
+
+
+def _plugin_step(step: Any) -> Step | None:
+    """The plugin's :class:`Step` that ``step`` is or wraps (through ``inner``), or None."""
+    for _ in range(8):
+        if isinstance(step, Step) or step is None:
+            return step
+        step = getattr(step, "inner", None)
+    return None
+
+
+def _why_no_halves(config: LossFixConfig, model_config: Any, step: Step | None) -> str | None:
+    """Why the runs over halves of the loss tokens cannot check this step (the same on every
+    rank), or None: only the loss function's weights are halved, so a gradient term outside
+    it, or a loss that decides its own masks (whose kept counts the step normalizes by),
+    would count twice."""
+    if step is None:
+        return "the step is not the plugin's Step, whose weights the halves set"
+    if config.mask_in_loss:
+        return "the loss decides its masks (mask_in_loss), whose counts halves would change"
+    paths = gradient_side_paths(model_config)
+    if paths:
+        return f"the model adds {', '.join(paths)} outside the loss, which halves would count twice"
+    return None
 
 
 def _plan(
@@ -408,9 +606,13 @@ def _how(m: int, plan: tuple | None) -> str:
     if plan is None:
         return f"in the same {m} micro-batches here (other ranks re-split)"
     if plan[0] == "shuffle":
-        return f"in {m} micro-batches with their rows dealt differently"
-    cut = "each micro-batch cut in" if plan[0] == "split" else "merged in groups of"
-    return f"as {plan[2]} micro-batches instead of {m} ({cut} {plan[1]})"
+        return f"in {plan[2]} micro-batches with their rows dealt differently"
+    if plan[0] == "halves":
+        return (
+            f"as two runs of its {plan[2]} micro-batches, each weighing every other loss token "
+            "of each (no row can move without growing a micro-batch)"
+        )
+    return f"as {plan[2]} micro-batches instead of {m} (each micro-batch cut in {plan[1]})"
 
 
 def _why_not_checkable(reduction: str | None, config: Any, chunks: list = ()) -> str | None:
