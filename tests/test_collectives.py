@@ -33,8 +33,13 @@ group with PP), a CP sum of the kept counts with CP, and what Megatron's forward
 communicates (the forward's tensor-parallel all-reduces, the pipeline's activations).
 
 Host syncs (``.item()``, ``.tolist()``, ``bool()``/``float()``/``int()`` of a tensor,
-``.numpy()``, ``nonzero``, ``torch.equal``) are counted the same way: inside Megatron's schedule
-(the micro-batch loop) the plugin adds none; per step it reads each agreement once.
+``.numpy()``, ``.cpu()``, ``nonzero``, ``torch.equal``, and ``torch.tensor``/``torch.as_tensor``,
+a copy from the host that waits for the stream) are counted the same way: inside Megatron's
+schedule (the micro-batch loop) the plugin adds none; per step it reads each agreement once.
+
+``step_metrics()`` after a step: one collective over DP x CP (an all-reduce; an all-gather where
+the reports hold maxima or minima, which it carries with the sums) and one host read, whatever
+the number of micro-batches and report entries.
 """
 
 from __future__ import annotations
@@ -175,8 +180,10 @@ def count_collectives() -> Iterator[collections.Counter]:
             setattr(module, attr, value)
 
 
-#: Tensor methods that wait for the device (on a GPU) to hand a value to the host.
-_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "nonzero", "equal")
+#: Calls that make the host wait for the device (on a GPU): reads of a value, and tensors built
+#: from host data (a copy to the device, which waits for the stream).
+_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "nonzero", "equal",
+          "cpu", "tensor", "as_tensor")  # fmt: skip
 
 
 @contextmanager
@@ -456,3 +463,62 @@ def _counter_self_check() -> dict[str, int]:
 def test_counter_counts_outermost_calls_once(dist_pool):
     got = dist_pool.run(_counter_self_check, 2)
     assert got == [{"all_reduce@0,1": 1, "all_gather_object@0,1": 1, "broadcast@0,1": 1}] * 2
+
+
+def _metrics_counts(layout: Layout, extremes: bool) -> dict[str, Any]:
+    """Pool worker: one plugin step whose reports hold sums (and, with ``extremes``, a maximum
+    and a minimum), then its ``step_metrics()``, counted."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lossfix.audit.training import train_step
+    from megatron_lossfix.runtime.config import LossFixConfig
+    from megatron_lossfix.step.schedule import LossFixSchedule
+
+    chunks, optimizer, mbs = _rank_setup(layout, False, False)
+
+    def forward_step(data_iterator: Any, model: Any) -> tuple:
+        output, loss = _plugin_forward_step(data_iterator, model)
+
+        def with_report(output_tensor: torch.Tensor) -> tuple:
+            value, num_tokens, _ = loss(output_tensor)
+            report = {"loss_sum": value.detach(), "tokens_count": num_tokens.double()}
+            if extremes:
+                report.update(loss_max=value.detach(), loss_min=value.detach())
+            return value, num_tokens, report
+
+        return output, with_report
+
+    config = LossFixConfig(reduction="token_mean", self_check=False)
+    schedule = LossFixSchedule(config, get_forward_backward_func())
+    size = mbs[0]["tokens"].shape[0]
+    train_step(schedule, forward_step, chunks, mbs, optimizer, seq_length=CASE.seq_length,
+               micro_batch_size=size)  # fmt: skip
+    with count_collectives() as counter, count_host_syncs() as synced:
+        metrics = schedule.step_metrics()
+    ranks = dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
+    return {
+        "collectives": dict(counter),
+        "syncs": dict(synced),
+        "dp_cp_ranks": ",".join(map(str, ranks)),
+        "metrics": metrics,
+        "contributions": [float(c) for c in schedule.last_step.contributions],
+    }
+
+
+@pytest.mark.parametrize("extremes", [False, True], ids=["sums", "sums+extremes"])
+def test_step_metrics_make_one_collective_and_one_host_read(dist_pool, extremes):
+    got = dist_pool.run(_metrics_counts, 2, Layout(), extremes)
+    op = "all_gather_into_tensor" if extremes else "all_reduce"
+    everyone = [c for rank in got for c in rank["contributions"]]
+    for rank in got:
+        assert rank["collectives"] == {f"{op}@{rank['dp_cp_ranks']}": 1}, rank["collectives"]
+        assert rank["syncs"] == {"step": 1}, rank["syncs"]
+        metrics = rank["metrics"]
+        assert metrics["tokens_count"] == metrics["num_tokens"]
+        assert metrics["loss_sum"] == pytest.approx(sum(everyone), rel=1e-6)
+        if extremes:
+            assert metrics["loss_max"] == pytest.approx(max(everyone))
+            assert metrics["loss_min"] == pytest.approx(min(everyone))
+        assert metrics == got[0]["metrics"]

@@ -2,18 +2,28 @@
 
 A fake schedule calls the wrapped ``forward_step`` the way Megatron's does (forward, then the
 loss function it returned); the index of each micro-batch reaches its loss closure and the kept
-masks as an argument, whatever order the closures are called in.
+masks as an argument, whatever order the closures are called in. And nothing in that loop makes
+the host wait for the device: no read of a tensor's value, no tensor built from host data, in
+the plugin's wrapper or in its loss functions (``weighted_loss``, ``rl_loss``), in every mode.
 """
 
 from __future__ import annotations
 
+import traceback
+from functools import partial
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from megatron_lossfix.rl.objective import rl_loss
 from megatron_lossfix.runtime.config import LossFixConfig
-from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase, kept_weights
+from megatron_lossfix.runtime.losses import weighted_loss
+from megatron_lossfix.runtime.mask_in_loss import KeptStep, Phase, kept_weights, phase_for
+from megatron_lossfix.runtime.modes import REDUCTIONS, mode_of
 from megatron_lossfix.runtime.process_groups import same_on_every_rank
 from megatron_lossfix.runtime.prompt_groups import parse_group_ids
+from megatron_lossfix.runtime.weights import count_tokens, weights_from_counts
 from megatron_lossfix.step.microbatch import MicroBatches, PassLog, PassSettings, wrap_forward_step
 
 pytestmark = pytest.mark.unit
@@ -109,3 +119,116 @@ def test_one_group_id_parser():
     assert parsed.count == 2 and all(i.dtype == torch.long for i in parsed.ids)
     with pytest.raises(ValueError, match=r"group_ids of micro-batch 1 must have one id"):
         parse_group_ids("group", ids, 2, masks, [2, 2], names, "")
+
+
+# --------------------------------------------------------------------- no host sync in the loop
+#: Calls that make the host wait for the device on a GPU: reads of a value (``.item()``,
+#: ``bool()``, ...), and tensors built from host data (``torch.tensor``: a copy to the device,
+#: which waits for the stream).
+HOST_SYNCS = frozenset(
+    ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero",
+     "equal", "cpu", "tensor", "as_tensor")
+)  # fmt: skip
+#: The modes whose weights need no group ids.
+PLAIN_MODES = tuple(m for m in REDUCTIONS if mode_of(m).weights is not None)
+
+
+class _HostSyncs(TorchFunctionMode):
+    """Records each host-sync call made while active, with the plugin line that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_SYNCS:
+            frames = [f for f in traceback.extract_stack() if "megatron_lossfix" in f.filename]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+            self.calls.append(f"{name} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def _rl_forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    return batch["logits"] * model, partial(rl_loss, batch, objective=RL)
+
+
+def _sft_forward_step(keep, data_iterator, model):
+    batch = next(data_iterator)
+    loss = partial(weighted_loss, batch[CONFIG.weights_key], keep=keep)
+    return batch["per_token"] * model, loss
+
+
+RL = {"policy_loss": "ppo", "kl_coef": 0.01, "ratio_band": (0.8, 1.25)}
+LOSSES = {
+    "weighted_loss": partial(_sft_forward_step, None),
+    "weighted_loss+keep": partial(_sft_forward_step, lambda per_token: per_token < 0.5),
+    "rl_loss": _rl_forward_step,
+}
+
+
+def _microbatch_loop(mode: str, loss: str, per_token: bool, mask_in_loss: bool) -> tuple:
+    """One pass of the step's micro-batch loop as Megatron's schedule runs it (forward, loss,
+    backward per micro-batch), the weights from the step's counts; the host syncs it made."""
+    num, rows, seq, vocab = 3, 2, 8, 5
+    gen = torch.Generator().manual_seed(0)
+    masks = [(torch.rand(rows, seq, generator=gen) < 0.7).float() for _ in range(num)]
+    norm = float(seq) if mode == "seq_mean_token_sum_norm" else None
+    config = LossFixConfig(reduction=mode, norm_constant=norm, mask_in_loss=mask_in_loss)
+    counts = count_tokens(masks)
+    weights = weights_from_counts(masks, counts, mode, norm_constant=norm)
+    batches = [
+        {
+            "loss_mask": m,
+            "per_token": torch.rand(rows, seq, generator=gen),
+            "logits": torch.randn(rows, seq, vocab, generator=gen),
+            "labels": torch.randint(vocab, (rows, seq), generator=gen),
+            "old_logprobs": -1.6 + 0.1 * torch.randn(rows, seq, generator=gen),
+            "ref_logprobs": -1.6 + 0.1 * torch.randn(rows, seq, generator=gen),
+            "advantages": torch.randn(rows, generator=gen),
+        }
+        for m in masks
+    ]
+    phase = phase_for(mode, mask_in_loss, False, False)
+    kept = KeptStep(
+        mode=mode, phase=phase, rows=[rows] * num, device=torch.device("cpu"), dp_size=1,
+        cp_group=None, norm_constant=norm,
+    )  # fmt: skip
+    scale = counts.num_tokens.float() if per_token else float(num)
+    settings = PassSettings(config, per_token, False, scale, kept, None)
+    real, log = MicroBatches(batches, weights, config), PassLog()
+    model = torch.ones((), requires_grad=True)
+    step = wrap_forward_step(LOSSES[loss], real, settings, log)
+    with _HostSyncs() as syncs:
+        for _ in range(num):
+            output, loss_func = step(real, model)
+            loss_func(output)[0].backward()
+    return syncs.calls, log
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("mode", PLAIN_MODES)
+def test_no_host_sync_in_the_microbatch_loop(mode, loss):
+    for per_token in (False, True):
+        for mask_in_loss in (False, True):
+            if mask_in_loss and phase_for(mode, True, False, False) is Phase.COUNT:
+                continue  # the counting pass is a pass of its own: tests/test_collectives.py
+            calls, log = _microbatch_loop(mode, loss, per_token, mask_in_loss)
+            assert log.problem is None, log.problem
+            assert len(log.contributions) == 3
+            assert calls == [], (per_token, mask_in_loss, calls)
+
+
+def test_the_host_sync_probe_sees_what_it_looks_for():
+    with _HostSyncs() as syncs:
+        x = torch.ones(2)
+        float(x.sum()), bool(x.any()), x.tolist(), torch.tensor(1.0), x[0].item()
+        x * 2, x.sum(), torch.where(x > 0, x, 0.0)  # no sync
+    assert [call.split(" at ")[0] for call in syncs.calls] == [
+        "__float__",
+        "__bool__",
+        "tolist",
+        "tensor",
+        "item",
+    ]

@@ -244,15 +244,21 @@ def _rl_stats(
     fmask = mask.to(pg.dtype)
     ratio = ind["ratio"]
     inf = torch.full_like(ratio, float("inf"))
-    no_inf = torch.tensor(float("inf"), device=ratio.device)  # neutral elements for empty inputs
+    if ratio.numel():
+        ratio_min = torch.where(mask, ratio, inf).amin()
+        ratio_max = torch.where(mask, ratio, -inf).amax()
+    else:  # neutral elements, filled on the device (a tensor built from a host value is a
+        # copy to the device, which waits for the stream: a host sync per micro-batch)
+        ratio_min = ratio.new_full((), float("inf"))
+        ratio_max = -ratio_min
     stats = {
         "pg_loss_sum": (w * pg.detach()).sum(),
         "clip_low_count": (fmask * ind["clip_low"]).sum(),
         "clip_high_count": (fmask * ind["clip_high"]).sum(),
         "dual_clip_count": (fmask * ind["dual_clip"]).sum(),
         "ratio_sum": (fmask * ratio).sum(),
-        "ratio_min": torch.where(mask, ratio, inf).amin() if ratio.numel() else no_inf,
-        "ratio_max": torch.where(mask, ratio, -inf).amax() if ratio.numel() else -no_inf,
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
         "num_tokens": fmask.sum(),
     }
     return {k: v.detach().float() for k, v in stats.items()}

@@ -171,7 +171,38 @@ class Alias:
 
 
 # ---------------------------------------------------------------------- weight functions
+def _stacked(masks: Masks, segs: Segments) -> torch.Tensor | None:
+    """The masks as one ``[rows, seq]`` tensor where they share a width, a dtype and a device
+    and none is packed, so that a mode's weights take a few kernels whatever the number of
+    micro-batches; None otherwise (one by one)."""
+    first = masks[0] if masks else None
+    if first is None or first.dim() != 2 or (segs is not None and any(s is not None for s in segs)):
+        return None
+    for m in masks:
+        if m.dim() != 2 or m.shape[1] != first.shape[1] or m.dtype != first.dtype:
+            return None
+        if m.device != first.device:
+            return None
+    return torch.cat(list(masks))
+
+
+def _split(stacked: torch.Tensor, masks: Masks) -> Weights:
+    """Weights computed on :func:`_stacked` masks, back into one tensor per micro-batch."""
+    return list(torch.split(stacked, [m.shape[0] for m in masks]))
+
+
+def _times(masks: Masks, segs: Segments, factor: torch.Tensor) -> Weights:
+    """Each mask times one 0-dim ``factor``."""
+    stacked = _stacked(masks, segs)
+    if stacked is not None:
+        return _split(stacked * factor, masks)
+    return [m * factor for m in masks]
+
+
 def _sum_weights(masks: Masks, counts: CountsView, c: float | None, segs: Segments) -> Weights:
+    stacked = _stacked(masks, segs)
+    if stacked is not None:  # a copy: the weights never alias the caller's masks
+        return _split(stacked, masks)
     return [m.clone() for m in masks]
 
 
@@ -180,24 +211,33 @@ def _token_mean_weights(
 ) -> Weights:
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
     inv = (one / counts.num_tokens.clamp(min=1)).float()
-    return [m * inv for m in masks]
+    return _times(masks, segs, inv)
 
 
 def _constant_weights(masks: Masks, counts: CountsView, c: float | None, segs: Segments) -> Weights:
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
     inv = (one / (counts.num_sequences.clamp(min=1) * float(c))).float()
-    return [m * inv for m in masks]
+    return _times(masks, segs, inv)
 
 
 def _legacy_weights(masks: Masks, counts: CountsView, c: float | None, segs: Segments) -> Weights:
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
     scale = float(len(counts.seq_tokens) * counts.dp_size)
     inv = (one / (counts.mb_tokens.clamp(min=1) * scale)).float()
+    rows = {m.shape[0] for m in masks}
+    stacked = _stacked(masks, segs) if len(rows) == 1 else None
+    if stacked is not None:  # every micro-batch has the same rows: the factor of each row
+        return _split(stacked * inv.repeat_interleave(rows.pop())[:, None], masks)
     return [m * inv[k] for k, m in enumerate(masks)]
 
 
 def _sequence_weights(masks: Masks, counts: CountsView, c: float | None, segs: Segments) -> Weights:
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    stacked = _stacked(masks, segs)
+    if stacked is not None and len(counts.seq_tokens) == len(masks):
+        seq_tokens = torch.cat(list(counts.seq_tokens))
+        inv_seq = one / (seq_tokens.clamp(min=1) * counts.num_sequences.clamp(min=1))
+        return _split(stacked * inv_seq.float()[:, None], masks)
     out = []
     for k, m in enumerate(masks):
         inv_seq = one / (counts.seq_tokens[k].clamp(min=1) * counts.num_sequences.clamp(min=1))
@@ -235,7 +275,7 @@ def _group_constant_weights(
     one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
     _, num_groups = _num_groups(counts)
     inv = (one / (num_groups * float(c))).float()
-    return [m * inv for m in masks]
+    return _times(masks, segs, inv)
 
 
 # ---------------------------------------------------------------------- kept factors

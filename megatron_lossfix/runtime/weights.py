@@ -38,6 +38,7 @@ __all__ = [
     "REDUCTIONS",
     "LossFixConfig",
     "StepCounts",
+    "any_bad_mask_value",
     "bad_mask_message",
     "bad_mask_values",
     "canonical_mode",
@@ -107,6 +108,13 @@ def bad_mask_values(masks: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([((m != 0) & (m != 1)).any() for m in masks])
 
 
+def any_bad_mask_value(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether any mask holds anything but 0 and 1, a 0-dim bool on the device, in a few
+    kernels whatever the number of masks (:func:`bad_mask_values` says which)."""
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    return ((flat != 0) & (flat != 1)).any()
+
+
 def bad_mask_message(k: int) -> str:
     return (
         f"loss mask of micro-batch {k} must hold only 0 and 1 (bool or 0/1 float); "
@@ -132,15 +140,20 @@ def count_tokens(
     tokens of each group ride in the same all-reduces (no collective of their own); their ids
     must have been checked (:func:`~megatron_lossfix.runtime.prompt_groups.bad_id_values`).
     """
-    seq_local = []
-    for k, mask in enumerate(masks):
-        seg = None if segment_ids is None else segment_ids[k]
-        if seg is None:
-            seq_local.append(mask.sum(dim=1, dtype=_COUNT_DTYPE))
-        else:
-            counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
-            seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
-    flat = torch.cat(seq_local)
+    rows = _rows_at_once(masks, segment_ids)
+    if rows is not None:  # one kernel for every micro-batch's rows
+        flat = rows.sum(dim=1, dtype=_COUNT_DTYPE)
+        seq_local = list(torch.split(flat, [m.shape[0] for m in masks]))
+    else:
+        seq_local = []
+        for k, mask in enumerate(masks):
+            seg = None if segment_ids is None else segment_ids[k]
+            if seg is None:
+                seq_local.append(mask.sum(dim=1, dtype=_COUNT_DTYPE))
+            else:
+                counts = torch.zeros(int(num_segments[k]), dtype=_COUNT_DTYPE, device=mask.device)
+                seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
+        flat = torch.cat(seq_local)
     # The groups' counts come from the local shards: summed over CP with n_s, over DP with N.
     per_key = None if groups is None else group_tokens(seq_local, groups)
     num_seq = flat.numel()
@@ -155,15 +168,36 @@ def count_tokens(
         totals = torch.cat([totals, per_key])
     if global_counts and group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
+    sizes = {c.numel() for c in seq_tokens}
+    if len(sizes) == 1:  # as many sequences in every micro-batch: one kernel
+        mb_tokens = flat.view(len(seq_tokens), sizes.pop()).sum(dim=1)
+    else:
+        mb_tokens = torch.stack([c.sum() for c in seq_tokens])
     return StepCounts(
         num_tokens=totals[0],
         num_sequences=totals[1],
         seq_tokens=seq_tokens,
-        mb_tokens=torch.stack([c.sum() for c in seq_tokens]),
+        mb_tokens=mb_tokens,
         dp_size=group_size(dp_group),
         group_tokens=None if per_key is None else totals[2:],
         group_ids=None if groups is None else list(groups.ids),
     )
+
+
+def _rows_at_once(
+    masks: Sequence[torch.Tensor], segment_ids: Sequence[torch.Tensor | None] | None
+) -> torch.Tensor | None:
+    """Every micro-batch's rows in one ``[rows, seq]`` tensor, where none is packed and they
+    share a width, a dtype and a device; else None."""
+    if not masks or (segment_ids is not None and any(s is not None for s in segment_ids)):
+        return None
+    first = masks[0]
+    if any(
+        m.dim() != 2 or m.shape[1] != first.shape[1] or m.dtype != first.dtype
+        or m.device != first.device for m in masks
+    ):  # fmt: skip
+        return None
+    return torch.cat(list(masks))
 
 
 def weights_from_counts(

@@ -18,7 +18,12 @@ import megatron_lossfix.runtime.prompt_groups as prompt_groups
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.process_groups import StepGroups, same_on_every_rank
 from megatron_lossfix.runtime.prompt_groups import GroupIds
-from megatron_lossfix.runtime.weights import StepCounts, bad_mask_message, bad_mask_values
+from megatron_lossfix.runtime.weights import (
+    StepCounts,
+    any_bad_mask_value,
+    bad_mask_message,
+    bad_mask_values,
+)
 from megatron_lossfix.step.agreement import (
     REFUSAL_PREFIX,
     Agreement,
@@ -75,8 +80,8 @@ def agree_counts(
     local: list[StepCounts] = []
     if groups.is_last_stage and problem is None:
         if config.validate:
-            checks["masks"] = bad_mask_values(data.masks)
-            mine.report(Problem.MASK_VALUES, checks["masks"].any())
+            checks["masks"] = any_bad_mask_value(data.masks)  # which one: asked when refused
+            mine.report(Problem.MASK_VALUES, checks["masks"])
         if not sharded_cp:
             local = [data.counts(masks, global_counts=False) for masks in mask_sets]
             totals = [n for c in local for n in (c.num_tokens, c.num_sequences)]
@@ -84,8 +89,8 @@ def agree_counts(
         if data.group_ids is not None:
             checks.update(_check_ids(data, local))
             mine.report(Problem.GROUP_IDS, checks["ids"].any() | checks["tails"].any())
-            count = float(data.group_ids.count)
-            mine.counts[-2:] = torch.tensor([count, count * count], dtype=torch.float64)
+            count = float(data.group_ids.count)  # filled on the device: no copy from the host
+            mine.counts[-2], mine.counts[-1] = count, count * count
 
     def late() -> StepRefused | None:  # asked only when the step is refused
         return _late_problem(checks, data)
@@ -122,18 +127,19 @@ def _check_ids(data: StepData, local: list[StepCounts]) -> dict[str, torch.Tenso
     """On the device, per micro-batch: ids out of range, and packed rows with loss tokens after
     their last ``cu_seqlens`` boundary (which no id covers)."""
     ids = data.group_ids
+    device = ids.ids[0].device
+    no = torch.zeros((), dtype=torch.bool, device=device)
     tails = [
-        local[0].seq_tokens[k][-1] > 0 if local and seg is not None else torch.tensor(False)
+        (local[0].seq_tokens[k][-1] > 0).to(device) if local and seg is not None else no
         for k, (seg, _) in enumerate(data.segments)
     ]
-    device = ids.ids[0].device
-    return {"ids": prompt_groups.bad_id_values(ids), "tails": torch.stack(tails).to(device)}
+    return {"ids": prompt_groups.bad_id_values(ids), "tails": torch.stack(tails)}
 
 
 def _late_problem(checks: dict[str, torch.Tensor], data: StepData) -> StepRefused | None:
     """This rank's problem found on the device, named (read only when the step is refused)."""
-    if "masks" in checks and bool(checks["masks"].any()):
-        first = int(checks["masks"].nonzero()[0, 0])
+    if "masks" in checks and bool(checks["masks"]):
+        first = int(bad_mask_values(data.masks).nonzero()[0, 0])
         return Problem.MASK_VALUES.refusal(bad_mask_message(first))
     if "ids" in checks and bool(checks["ids"].any()):
         first = int(checks["ids"].nonzero()[0, 0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,8 @@ class Agreement:
     """``[len(Problem)]``: how often each kind was reported, in :class:`Problem` order."""
     counts: torch.Tensor
     """The step's counts, summed; their layout is the step's."""
+    vec: torch.Tensor | None = field(default=None, repr=False)
+    """The one vector the fields above are views of (:meth:`from_tensor`), else None."""
 
     @classmethod
     def of_rank(
@@ -177,8 +179,12 @@ class Agreement:
         return self
 
     def to_tensor(self) -> torch.Tensor:
-        """One float64 vector: the header, the kinds, then the counts."""
+        """One float64 vector: the header, the kinds, then the counts (a new tensor)."""
         return torch.cat([self._header(), self.kinds, self.counts])
+
+    def _as_vector(self) -> torch.Tensor:
+        """:meth:`to_tensor`, without a copy where the fields are views of one vector."""
+        return self.vec if self.vec is not None else self.to_tensor()
 
     def _header(self) -> torch.Tensor:
         return torch.stack([self.fingerprint, self.fingerprint_sq, self.problems, self.rank_sum])
@@ -188,7 +194,7 @@ class Agreement:
         """The record :meth:`to_tensor` made (of views into ``vec``)."""
         fingerprint, fingerprint_sq, problems, rank_sum = vec[:_HEADER].unbind()
         kinds, counts = vec[_HEADER:].split([len(_KINDS), len(vec) - _HEADER - len(_KINDS)])
-        return cls(fingerprint, fingerprint_sq, problems, rank_sum, kinds, counts)
+        return cls(fingerprint, fingerprint_sq, problems, rank_sum, kinds, counts, vec)
 
     def verdict(
         self,
@@ -206,7 +212,7 @@ class Agreement:
         is refused. One host read of the record; returns the counts it read (the device's stay
         in :attr:`counts`).
         """
-        values = self.to_tensor().tolist()
+        values = self._as_vector().tolist()
         fp, fp_sq, problems, rank_sum = values[:_HEADER]
         kinds, counts = values[_HEADER : _HEADER + len(_KINDS)], values[_HEADER + len(_KINDS) :]
         stages_differ = not same_on_every_rank(fp, fp_sq, pp_size)
@@ -242,8 +248,8 @@ def agree(mine: Agreement, groups: StepGroups) -> Agreement:
     """The reports of a step's ranks, summed: over DP x CP on the loss stage, then over the
     pipeline group on every stage (one all-reduce each; none over a group of one). Nothing
     here reads the device; :meth:`Agreement.verdict` does, once."""
-    vec = mine.to_tensor()
-    if groups.is_last_stage:
+    vec = mine._as_vector().clone()  # summed in place: ``mine`` stays this rank's
+    if groups.is_last_stage and groups.dp_cp_size > 1:  # one rank: the sum is its report
         stage = Agreement.from_tensor(_sum_over(vec, groups.dp_cp))
-        vec = stage.for_pipeline(mine, groups.dp_cp_size).to_tensor()
+        vec = stage.for_pipeline(mine, groups.dp_cp_size)._as_vector()
     return Agreement.from_tensor(_sum_over(vec, groups.pp))
