@@ -44,6 +44,7 @@ __all__ = [
     "apply",
     "available_patches",
     "check",
+    "check_checkout",
     "main",
     "megatron_core_version",
     "patches_dir",
@@ -142,7 +143,9 @@ def megatron_core_version(target: Path) -> str:
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
 
 
-def _check_target(target: Path, files: Sequence[str] = ()) -> Path:
+def check_checkout(target: Path, files: Sequence[str] = ()) -> Path:
+    """``target`` resolved when it is the root of a Megatron-LM checkout holding ``files``;
+    else :class:`PatchError`, one line naming the directory to pass."""
     target = Path(target).expanduser()
     if not target.is_dir():
         raise PatchError(f"{target} is not a directory: pass the root of a Megatron-LM checkout")
@@ -203,7 +206,7 @@ def select_patch(
     ``name``: a patch file's stem (``megatron_lm_core_v0.16.1``) or version (``0.16.1``,
     ``main``) to use instead of choosing by version.
     """
-    target = _check_target(target)
+    target = check_checkout(target)
     patches = available_patches(directory)
     if name is not None:
         chosen = [p for p in patches if name in (p.name, p.version)]
@@ -212,14 +215,14 @@ def select_patch(
                 f"no patch named {name!r}; known: {', '.join(p.name for p in patches)}"
             )
         info = chosen[0]
-        _check_target(target, info.files)
+        check_checkout(target, info.files)
         state, _ = _state(info, target)
         return info, state, f"patch {info.name} (chosen by name)"
     version = megatron_core_version(target)
     exact = [p for p in patches if p.version == version]
     if exact:
         info = exact[0]
-        _check_target(target, info.files)
+        check_checkout(target, info.files)
         state, message = _state(info, target)
         if state is State.CONFLICT:
             raise PatchError(
