@@ -45,6 +45,7 @@ __all__ = [
     "available_patches",
     "check",
     "check_checkout",
+    "command_parser",
     "main",
     "megatron_core_version",
     "patches_dir",
@@ -314,8 +315,8 @@ def revert(target: Path, name: str | None = None, directory: Path | None = None)
     return f"{how}: reverted in {target}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line; returns the exit status (see the module docstring)."""
+def command_parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``apply``, ``revert``, ``check``, ``list``."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron_lossfix.patches",
         description="Patch a Megatron-LM checkout so that pretrain_gpt.py and train_rl.py take "
@@ -336,7 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "choosing by the checkout's Megatron-Core version",
         )
     sub.add_parser("list", help="list the patches and the versions they are made for")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line; returns the exit status (see the module docstring)."""
+    args = command_parser().parse_args(argv)
     try:
         if args.command == "list":
             for info in available_patches():
