@@ -10,16 +10,18 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 * ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
   depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
-  Bridge's tests and verl's, SkyRL's and slime's, each in a virtualenv of its own (``_layer``;
-  slime from the source ``SLIME_SOURCE`` names, which ``.ci/run`` sets: slime is not on the
-  package index, and without it its tests skip).
+  Bridge's tests (in a virtualenv layered over the suite's, ``_layer``) and each stack's (verl,
+  SkyRL, slime: ``STACK_PAGES``), each in the fresh virtualenv its page's install line makes,
+  run as the page prints it (``_stack_ahead``; slime's from the source ``SLIME_SOURCE`` names,
+  which ``.ci/run`` sets: slime is not on the package index, and without it its tests skip).
 
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
 (``_ahead``): pip waits mostly on the network and the disk, so ``lint`` starts both worlds'
-installs before its own checks (the 3.12 world goes on during the 3.11 tests), and the layers
-install during the suite.
+installs and the stack pages' install lines before its own checks (the 3.12 world goes on
+during the 3.11 tests, the stacks' during the suite), and Bridge's layer installs during the
+suite.
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
@@ -34,12 +36,16 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 
 import nox
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+from helpers import doc_pages  # noqa: E402 (the pages' commands, as the tests read them)
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
@@ -90,21 +96,18 @@ PYTEST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-q", "-rs"
 #: fraction of them, which Python compiles on first import. The 3.11 world installed in 40 s
 #: with this, 117 s without.
 NO_COMPILE = ("--no-compile",)
-#: Megatron Bridge, verl and SkyRL cannot share the suite's virtualenv: Bridge brings an
-#: nvidia-resiliency-ext that breaks a plain ``import megatron.core``, and verl and SkyRL pin a
-#: transformers that Bridge refuses. Each gets a virtualenv layered over the suite's.
+#: Megatron Bridge cannot share the suite's virtualenv (it brings an nvidia-resiliency-ext that
+#: breaks a plain ``import megatron.core``): it gets a virtualenv layered over the suite's.
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
-RL_TESTS = (
-    "tests/test_verl_stack.py",
-    "tests/test_skyrl_stack.py",
-    "tests/test_slime_stack.py",
-    "tests/test_readme_stacks.py",
-)
-VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its dependencies
-#: Likewise, and for one more reason: by their metadata verl 0.9.1 and SkyRL 0.4.0 do not resolve
-#: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.
-SKYRL = "skyrl==0.4.0"
-RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
+#: The RL stacks' pages. Each has one install line that makes the stack's own virtualenv
+#: (``python3.12 -m venv .venv-<stack> && ...``, read from the page by ``doc_pages.install_line``
+#: as the page tests read it); CI runs it as printed, in a fresh copy of this tree, and there
+#: runs ``tests/test_<stack>_stack.py`` and the pages' stack commands with that virtualenv's
+#: Python. A page whose line names a variable that is not set (slime's ``SLIME_SOURCE``) is
+#: left out, saying so. A new stack is one more page here.
+STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md")
+#: The pages' stack commands, run in each stack's virtualenv (another stack's skip there).
+STACK_COMMANDS_TESTS = ("tests/test_readme_stacks.py",)
 
 
 def _expose_pyenv_versions() -> None:
@@ -240,6 +243,62 @@ def _build_ahead(session: nox.Session, python: str) -> None:
            (*pip, *_requirements(python)))  # fmt: skip
 
 
+def _stack_pages() -> list[tuple[str, str, str]]:
+    """``(page, stack, line)`` of each page of ``STACK_PAGES`` whose install line can run here:
+    one that names an unset variable (``"$SLIME_SOURCE"``) is left out."""
+    out = []
+    for page in STACK_PAGES:
+        stack, line = doc_pages.install_line(page)
+        unset = [name for name in re.findall(r"\$\{?(\w+)", line) if not os.environ.get(name)]
+        if unset:
+            print(f"nox > {page}: its install line needs {', '.join(unset)}; its stack's tests "
+                  "are left out (they skip)")  # fmt: skip
+            continue
+        out.append((page, stack, line))
+    return out
+
+
+def _stack_tree(stack: str) -> str:
+    """``.nox/page-<stack>``: where the stack's page line runs, a copy of this tree."""
+    return os.path.abspath(os.path.join(".nox", f"page-{stack}"))
+
+
+def _copy_tree(dest: str) -> None:
+    """A fresh copy of this tree at ``dest``: the files a clone has (git's tracked and
+    not-ignored ones), without what earlier runs built (``.nox``, virtualenvs, egg-info)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            capture_output=True, check=True).stdout  # fmt: skip
+    for name in filter(None, listed.decode().split("\0")):
+        if os.path.isfile(name):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(name, os.path.join(dest, name))
+
+
+def _stack_ahead(session: nox.Session, stack: str, line: str) -> None:
+    """Run the page's install line, as printed, in a fresh copy of the tree (it makes
+    ``.venv-<stack>`` there), beside the session; then the test tools into that virtualenv.
+    pip compiles no bytecode (``PIP_NO_COMPILE``, as for the worlds): what is installed is
+    the same."""
+    tree = _stack_tree(stack)
+    _copy_tree(tree)
+    pip = (os.path.join(".venv-" + stack, "bin", "pip"), "install", "-q", "--no-compile")
+    tools = [r for r in _extra("test") if r.startswith("pytest")]
+    _ahead(session, f"page-{stack}", ("cd", tree), ("export", "PIP_NO_COMPILE=1"),
+           ("bash", "-c", line), (*pip, *tools))  # fmt: skip
+
+
+def _stack_tests(session: nox.Session, stack: str) -> None:
+    """The stack's tests and the pages' stack commands, with the Python of the virtualenv its
+    page's line made, in that copy of the tree."""
+    tree = _stack_tree(stack)
+    python = os.path.join(tree, f".venv-{stack}", "bin", "python")
+    tests = [t for t in (f"tests/test_{stack}_stack.py", *STACK_COMMANDS_TESTS)
+             if os.path.isfile(os.path.join(tree, t))]  # fmt: skip
+    with session.chdir(tree):
+        session.run(python, "-m", "pytest", *PYTEST, *tests, external=True)
+
+
 @nox.session(python="3.12", download_python="never")
 def lint(session: nox.Session) -> None:
     """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra).
@@ -247,6 +306,8 @@ def lint(session: nox.Session) -> None:
     if DEFAULT_RUN:
         for python in LATEST:
             _build_ahead(session, python)
+        for _, stack, line in _stack_pages():
+            _stack_ahead(session, stack, line)
     session.install(RUFF, *_extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -264,30 +325,43 @@ def tests_311(session: nox.Session) -> None:
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
 def tests_312(session: nox.Session) -> None:
-    """The whole suite on megatron-core 0.19.2, then Bridge's and verl's and SkyRL's tests."""
+    """The whole suite on megatron-core 0.19.2, then Bridge's tests and each stack's, in the
+    virtualenv its page's install line makes."""
     _install(session)
+    stacks = [] if session.posargs else _stack_pages()
     if not session.posargs:
-        bridge, rl = _layer(session, "bridge-3.12"), _layer(session, "rl-3.12")
-        pins = os.path.join(session.create_tmp(), "pins.txt")
-        with open(pins, "w") as f:
-            f.write(f"{TORCH}\nmegatron-core=={LATEST['3.12']}\n")
-        pip = (rl, "-m", "pip", "install", "-q", *NO_COMPILE)
-        stacks = ((*pip, "--no-deps", VERL, SKYRL), (*pip, "-c", pins, "-r", RL_REQUIREMENTS))
-        if os.environ.get("SLIME_SOURCE"):  # slime's loss path imports what the layer has
-            stacks += ((*pip, "--no-deps", os.environ["SLIME_SOURCE"]),)
-        _ahead(
-            session, "layers-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"), *stacks
-        )
-    _pytest(session, "tests", *(f"--ignore={test}" for test in RL_TESTS))
+        bridge = _layer(session, "bridge-3.12")
+        _ahead(session, "bridge-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"))
+        for _, stack, line in stacks:
+            if f"page-{stack}" not in _AHEAD:  # not started by lint (this session alone)
+                _stack_ahead(session, stack, line)
+    stack_tests = [f"tests/test_{stack}_stack.py" for stack in
+                   (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
+    ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
+    _pytest(session, "tests", *(f"--ignore={test}" for test in ignore))
     if session.posargs:
         return
-    _collect(session, "layers-3.12")
+    _collect(session, "bridge-3.12")
     # Side by side: Bridge's tests are one file (one worker); the stacks' keep the other busy.
     _ahead(session, "bridge-tests", (bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS))
     try:
-        _pytest(session, *RL_TESTS, python=rl)
+        for _, stack, _ in stacks:
+            _collect(session, f"page-{stack}")
+            _stack_tests(session, stack)
     finally:
         _collect(session, "bridge-tests")
+
+
+@nox.session(python=False, default=False)
+def stacks(session: nox.Session) -> None:
+    """What ``tests-3.12`` does for the stacks after the suite, alone: each stack page's install
+    line, as printed, in a fresh virtualenv of its own, then the stack's tests there."""
+    pages = _stack_pages()
+    for _, stack, line in pages:
+        _stack_ahead(session, stack, line)
+    for _, stack, _ in pages:
+        _collect(session, f"page-{stack}")
+        _stack_tests(session, stack)
 
 
 @nox.session(name="older-3.12", python="3.12", download_python="never", default=False)

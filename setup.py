@@ -62,13 +62,14 @@ setup(
             "pydantic",
         ],
         # verl at the release the stack audit and the adapter are measured with; its own
-        # requirements need no GPU. (CI installs it --no-deps with the few its Megatron path
-        # imports: see README, "verl".)
+        # requirements need no GPU. (CI runs docs/verl.md's install line as printed.)
         "verl": ["verl==0.9.1"],
-        # slime's Megatron loss path (loss.py, cp_utils.py, data.py, ppo_utils.py) needs, beside
-        # torch and megatron-core, only these. slime is not on the package index: it is installed
-        # from its source without dependencies beside this extra (docs/slime.md).
-        "slime": ["httpx", "packaging"],
+        # What slime's Megatron loss path (backends/megatron_utils: loss, cp_utils, data, model,
+        # and the modules they import: utils/http_utils, utils/memory_utils, observability)
+        # imports on CPU beside torch and megatron-core, and no more. slime is not on the
+        # package index: it is installed from its source without dependencies beside this
+        # extra (docs/slime.md; CI runs that page's line in a fresh virtualenv).
+        "slime": ["httpx", "packaging", "psutil", "tqdm", "wandb"],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

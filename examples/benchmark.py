@@ -61,7 +61,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from benchmark_report import parameters, tables
 from benchmark_step import CUDA, VARIANTS, Bench, baseline, max_over_ranks, start, sync
 from gpt_model import add_model_args
 
@@ -154,46 +154,6 @@ def _memory_phase(args: argparse.Namespace) -> dict:
     return {"peak": max_over_ranks(torch.cuda.max_memory_allocated() if CUDA else rss)}
 
 
-def _ratio(rounds: list[dict], name: str, base: str, key: str = "step_s") -> str:
-    """Median over rounds of (median ``key`` of ``name`` / that of ``base``), then the range."""
-    med = statistics.median
-    r = [med(x[name][key]) / med(x[base][key]) for x in rounds if name in x and base in x]
-    return f"{med(r):.3f} ({min(r):.3f}-{max(r):.3f})" if r else "-"
-
-
-def tables(args: argparse.Namespace, timing: dict, memory: dict) -> str:
-    peak_kind = "GPU memory" if CUDA else "RSS"
-    header = (
-        "| variant | vs | step ms | step time ratio | fwd-bwd ratio | CPU time ratio | step tensor "
-        f"peak | peak {peak_kind} (fresh process) | step time vs off |\n|---|---|{'---:|' * 7}"
-    )
-    lines = []
-    for world, result in sorted(timing.items()):
-        for workload, rounds in result["rounds"].items():
-            m = args.global_batch_size // (int(world) * args.micro_batch_size)
-            title = f"{workload.upper()}, {world} rank(s) (DP={world}), {m} micro-batches per rank"
-            lines += [f"\n### {title}\n", header]
-            for name in args.variant_list:
-                base, (mode, per_token) = baseline(name), VARIANTS[name]
-                peak, peak_base = (result["tensor_peak"][workload][n] for n in (name, base))
-                mem, mem_base = (memory.get(f"{world}/{n}", {}).get("peak") for n in (name, base))
-                fresh = f"{mem / mem_base:.3f} ({mem / 2**20:.0f} MiB)" if mem and mem_base else "-"
-                off = mode not in (None, "off") and not per_token and "off" in rounds[0]
-                steps = [t for r in rounds for t in r[name]["step_s"]]
-                lines.append(
-                    f"| {name} | {base} | {1000 * statistics.median(steps):.0f} "
-                    f"| {_ratio(rounds, name, base)} | {_ratio(rounds, name, base, 'fb_s')} "
-                    f"| {_ratio(rounds, name, base, 'cpu_s')} "
-                    f"| {peak / max(peak_base, 1):.4f} ({peak / 2**20:.2f} MiB) | {fresh} "
-                    f"| {_ratio(rounds, name, 'off') if off else '-'} |"
-                )
-    return "\n".join(lines)
-
-
-def _parameters(timing: dict) -> float:
-    return max((result.get("parameters", 0) for result in timing.values()), default=0)
-
-
 def _torchrun(world: int, argv: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", __file__, *argv, "--result-out", str(out)]  # fmt: skip
@@ -228,7 +188,7 @@ def driver(args: argparse.Namespace, argv: list[str]) -> None:
     print(f"\n## megatron_lossfix overhead vs stock Megatron-Core\n\nMachine: {machine}; load "
           f"at end {os.getloadavg()[0]:.2f}; total {time.time() - started:.0f} s. Model: GPT, "
           f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} "
-          f"heads, {_parameters(timing) / 1e6:.1f} M parameters, seq {args.seq_length}, "
+          f"heads, {parameters(timing) / 1e6:.1f} M parameters, seq {args.seq_length}, "
           f"{'bf16' if args.bf16 else 'fp32'}, global batch "
           f"{args.global_batch_size}, micro-batch {args.micro_batch_size}, Adam. {args.rounds} "
           f"rounds x {args.steps_per_round} steps per variant after {args.warmup} warm-up steps; "

@@ -64,7 +64,7 @@ def baseline(name: str) -> str:
 
 def _forward_step(plugin: bool, workload: str, masked: bool, data_iterator, model) -> tuple:
     batch = next(data_iterator)
-    if not plugin:  # stock weighs by the loss mask, as the plugin's `off` hands it over
+    if "loss_weights" not in batch:  # stock, and `off` (a pass-through): the loss mask
         batch = {**batch, "loss_weights": batch["loss_mask"]}
     if workload == "sft":
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])

@@ -10,6 +10,7 @@ cannot build, it refuses itself (``initialize_model_parallel``, ``TransformerCon
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,10 @@ def _config(args: argparse.Namespace, per_token_loss: bool, bf16: bool) -> Any:
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     extra: dict[str, Any] = {}
+    if "cuda_graph_modules" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        # Its default, "full", warns that it is deprecated (megatron-core 0.19); the empty
+        # list means the same, the whole layer (no CUDA graph is captured here in any case).
+        extra.update(cuda_graph_modules=[])
     if virtual_stages(args):
         # Megatron-LM's interleaved settings: batched p2p with PP=2 pairs sends and receives
         # of the same peer crossed (Megatron-LM #750, #1450).

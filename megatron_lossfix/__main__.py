@@ -1,9 +1,9 @@
 """``python -m megatron_lossfix <command>`` (also the ``megatron-lossfix`` console script).
 
-Commands:
+Commands (in the order ``--help`` lists them):
   audit    run the gradient invariance matrix on this machine (``megatron_lossfix.audit``)
-  patches  apply, check or revert our Megatron-LM patches (``megatron_lossfix.integrations``)
   install-bridge  install Megatron Bridge into this environment (``integrations.install_bridge``)
+  patches  apply, check, revert or list our Megatron-LM patches (``integrations.patches``)
   rl-replay  replay fixed rollouts through Megatron-LM's train_rl.py; ``compare``: stock against
            the plugin, 1 rank against DP2 (``integrations.megatron_lm_rl_replay``)
 """
@@ -14,8 +14,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-# name -> (one-line help, module whose ``main(argv) -> int`` runs it); imported on use only, so
-# that ``--help`` does not pay for torch and Megatron.
+# name -> (one-line help, module whose ``main(argv) -> int`` runs it), in the order of the
+# choices; imported on use only, so that ``--help`` does not pay for torch and Megatron.
 COMMANDS: dict[str, tuple[str, str]] = {
     "audit": (
         "check every reduction mode's gradient against a one-rank reference over parallel "
@@ -27,14 +27,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "0.19; CPU or CUDA); refuses another Python or megatron-core in one line",
         "megatron_lossfix.integrations.install_bridge",
     ),
+    "patches": (
+        "apply, check or revert the Megatron-LM patch that adds --loss-reduction and the "
+        "plugin's flags to pretrain_gpt.py and train_rl.py, or list the patches",
+        "megatron_lossfix.integrations.patches",
+    ),
     "rl-replay": (
         "replay fixed rollouts through a patched Megatron-LM's train_rl.py (CPU or GPU): "
         "write-plan, compare (stock against the plugin, 1 rank against DP2), or a rank",
         "megatron_lossfix.integrations.megatron_lm_rl_replay",
-    ),
-    "patches": (
-        "apply, check or revert the Megatron-LM patches that add the flags to pretrain_gpt.py",
-        "megatron_lossfix.integrations.patches",
     ),
 }
 
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "command",
-        choices=sorted(COMMANDS),
+        choices=list(COMMANDS),
         help="; ".join(f"{k}: {v[0]}" for k, v in COMMANDS.items()),
     )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the command's own flags")

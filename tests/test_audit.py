@@ -195,6 +195,26 @@ def test_module_help():
     assert done.returncode == 0
     for flag in ("--modes", "--layouts", "--out", "--model-size", "--hidden-size", "--tolerance"):
         assert flag in done.stdout
+    # The description names the flag that sets where the files go.
+    assert "into the --out folder" in " ".join(done.stdout.split())
+
+
+@pytest.mark.unit
+def test_every_audit_flag_with_a_default_says_it():
+    """``--help`` shows each flag's default: a flag whose default is a value says
+    ``default`` and the value (``--seed``, ``--timeout`` did not)."""
+    from megatron_lossfix.audit.options import add_audit_args
+
+    parser = add_audit_args(argparse.ArgumentParser())
+    for action in parser._actions:
+        if action.default in (None, False, argparse.SUPPRESS):
+            continue
+        value = f"{action.default:g}" if isinstance(action.default, float) else action.default
+        assert "default" in action.help and str(value) in action.help, (
+            action.option_strings,
+            action.default,
+            action.help,
+        )
 
 
 def _unscaled_layout_grads(*args, **kwargs):

@@ -125,6 +125,27 @@ def test_wrong_targets(tmp_path: Path, patch_dir: Path) -> None:
         patches.apply(tree, directory=patch_dir)
 
 
+@pytest.mark.parametrize("where", ["missing", "empty", "archives"])
+def test_rl_replay_compare_says_what_patches_apply_says(
+    tmp_path: Path, where: str, capsys: pytest.CaptureFixture
+) -> None:
+    """``rl-replay compare`` on a directory that is no Megatron-LM checkout (none at all, an
+    empty one, the folder of the source archives: the easiest mistake) says what ``patches
+    apply`` says of it, not that ``train_rl.py`` is unpatched."""
+    from megatron_lossfix.__main__ import main
+
+    target = tmp_path / where
+    if where != "missing":
+        target.mkdir()
+    if where == "archives":
+        (target / "core_v0.19.0.tar.gz").write_bytes(b"")
+    assert main(["patches", "apply", str(target)]) == 2
+    said = capsys.readouterr().err.strip().removeprefix("error: ")
+    assert main(["rl-replay", "compare", str(target), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().out.strip() == f"megatron_lossfix: {said}"
+    assert "Megatron-LM checkout" in said and "train_rl.py" not in said, said
+
+
 def test_version_selection(tmp_path: Path, patch_dir: Path) -> None:
     # Another version whose files still fit: the patch is used, and the note says so.
     other = _make_tree(tmp_path / "other", ("9", "8", "0", ""))

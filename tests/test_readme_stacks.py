@@ -1,18 +1,22 @@
-"""The verl and SkyRL commands of the README and of the docs pages: the install line installs
-what CI tests, and the stack audits run as printed where the stack is installed.
+"""The RL stacks' commands of the README and of the docs pages: each stack page's install line is
+what CI runs, and the stack audits run as printed where the stack is installed.
 
 * unit: each stack's install line makes its own Python 3.12 virtualenv, ``.venv-<stack>``, from
   the ``[<stack>]`` extra of ``setup.py`` (no versions of its own: verl 0.9.1 and SkyRL 0.4.0 do
-  not resolve together), every stack command runs in its stack's virtualenv, and the extras pin
-  what CI installs for the stack tests (``.ci/rl-requirements.txt``, ``noxfile.py``).
+  not resolve together), every stack command runs in its stack's virtualenv, and CI runs every
+  such page's line as printed (``noxfile.py``'s ``STACK_PAGES``, read from the page through
+  ``helpers.doc_pages.install_line``, never retyped), in a fresh virtualenv of its own, where
+  this file and ``tests/test_<stack>_stack.py`` then run. The lists of stacks in the README and
+  the docs' index name every one.
 * e2e: each ``--stack`` command, with this interpreter for ``.venv-<stack>/bin/python`` and on one
   layout (``BRIEF_LAYOUT`` in place of ``--layouts``, as ``tests/test_readme.py`` runs the
   audit), exits 0 and writes its ``audit.json`` with the adapted row passing. Skipped where the
-  stack is not installed (CI's stack layer has both).
+  stack is not installed (CI runs this file in each stack's virtualenv: the others skip there).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -26,7 +30,19 @@ import pytest
 from helpers import doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-STACKS = ("verl", "skyrl", "slime")
+
+
+def _nox_stack_pages() -> tuple[str, ...]:
+    """``noxfile.py``'s ``STACK_PAGES``, read without importing nox."""
+    tree = ast.parse(ROOT.joinpath("noxfile.py").read_text())
+    return next(
+        ast.literal_eval(node.value) for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "STACK_PAGES"
+    )  # fmt: skip
+
+
+#: The stacks, as CI knows them: one page each.
+STACKS = tuple(doc_pages.install_line(page)[0] for page in _nox_stack_pages())
 #: Stacks on the package index, pinned by their extra (slime installs from its source).
 PINNED = ("verl", "skyrl")
 BRIEF_LAYOUT = "dp2-m3"
@@ -62,25 +78,45 @@ def test_install_line_makes_its_own_312_env_from_the_extra(stack):
     (line,) = lines
     assert line.startswith(f"python3.12 -m venv {_venv(stack)} && "), line
     assert f'-e ".[{stack}]"' in line, line
-    # Versions come from the extras only: the line pins nothing of verl's or SkyRL's own.
-    assert not re.search(r"\b(verl|skyrl|slime)[\w-]*==", line), line
+    # Versions come from the extras only: the line pins nothing of the stack's own.
+    assert not re.search(rf"\b{stack}[\w-]*==", line), line
     for cmd in _stack_commands():
         if f"--stack {stack}" in cmd:
             assert cmd.startswith(f"{_venv(stack)}/bin/python -m megatron_lossfix audit"), cmd
 
 
 @pytest.mark.unit
-def test_the_extras_pin_what_ci_installs():
-    ci = ROOT.joinpath(".ci", "rl-requirements.txt").read_text().split()
+def test_ci_runs_every_stack_pages_install_line_as_printed():
+    """Every docs page with a stack install line is in ``STACK_PAGES``; the noxfile reads each
+    line from its page (``doc_pages.install_line``) and retypes none; a pinned stack's extra pins
+    its release."""
+    docs = sorted(
+        f"docs/{page.name}" for page in ROOT.joinpath("docs").glob("*.md")
+        if any(doc_pages.INSTALL_LINE.match(line) for line in page.read_text().splitlines())
+    )  # fmt: skip
+    assert sorted(_nox_stack_pages()) == docs
     nox = ROOT.joinpath("noxfile.py").read_text()
+    assert "doc_pages.install_line(page)" in nox
+    for page in _nox_stack_pages():
+        stack, line = doc_pages.install_line(page)
+        assert line not in nox and f".[{stack}]" not in nox, f"noxfile.py retypes {page}'s line"
     for name, requirements in _extras().items():
-        if name not in PINNED:
-            assert not any("==" in r for r in requirements), (name, requirements)
-            continue
-        pins = [r for r in requirements if "==" in r]
-        assert any(r.startswith(f"{name}==") for r in pins), (name, requirements)
-        for pin in pins:
-            assert pin in ci or f'"{pin}"' in nox, f"CI does not install {pin} ([{name}] does)"
+        if name in PINNED:
+            assert any(r.startswith(f"{name}==") for r in requirements), (name, requirements)
+
+
+@pytest.mark.unit
+def test_the_lists_of_stacks_name_every_stack():
+    """The README's sentence on what nox runs and the docs' index name every stack CI tests."""
+    readme = " ".join(ROOT.joinpath("README.md").read_text().split())
+    nox_sentence = re.search(r"Run the tests: nox runs (.*?)\. It needs", readme)[1]
+    index = " ".join(ROOT.joinpath("docs", "index.md").read_text().split())
+    integrations = re.search(r"\* Integrations: (.*?)\n?\* ", index + "* ")[1]
+    for page in _nox_stack_pages():
+        name = Path(page).name
+        assert f"]({name})" in integrations, (name, integrations)
+        title = re.match(r"# (\S+)", ROOT.joinpath(page).read_text())[1].rstrip(":")
+        assert title in nox_sentence, (title, nox_sentence)
 
 
 def _brief(cmd: str) -> list[str]:

@@ -5,9 +5,9 @@ of a tiny GPT through the plugin's schedule (DDP, pipeline schedules, ``finalize
 gathers the full gradient, and compares it with a one-rank, one-micro-batch reference of the same
 model, data and mode (relative L2). The stock baseline ``off`` is compared with the exact
 ``token_mean`` gradient: it is expected to miss whenever a step has more than one micro-batch in
-all, which shows that the check can fail. The run prints a table, writes ``DIR/audit.json`` and
-``DIR/audit.png`` (when matplotlib is installed), and exits 1 when any plugin mode misses the
-tolerance.
+all, which shows that the check can fail. The run prints a table, writes ``audit.json`` and
+``audit.png`` (when matplotlib is installed) into the ``--out`` folder, and exits 1 when any
+plugin mode misses the tolerance.
 
 The ranks are CPU worker processes talking over gloo (``megatron_lossfix.audit.pool``), on any
 machine: no GPU is needed, and a GPU present is not used, so results do not depend on hardware.

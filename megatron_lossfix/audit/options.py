@@ -276,8 +276,8 @@ def _add_matrix_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(STACKS),
         help="audit an RL framework's own Megatron loss path instead of the plugin alone: rows "
         "<stack> (as released, allowed to miss) and <stack>+lossfix (through the adapter); the "
-        "framework must be installed (pip install -e .[<stack>]). Default modes and layouts "
-        "are the stack's own",
+        "framework must be installed, as the install line of its page (docs/<stack>.md) "
+        "does. Default modes and layouts are the stack's own",
     )
     parser.add_argument(
         "--terms",
@@ -323,7 +323,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq-length", type=int, default=16, help="tokens per sequence (default 16)"
     )
-    parser.add_argument("--seed", type=int, default=1234, help="seed of data and weights")
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="seed of data and weights (default 1234)"
+    )
     parser.add_argument(
         "--per-token-loss",
         action="store_true",
@@ -344,7 +346,8 @@ def _add_run_args(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=300.0,
-        help="seconds a rank may wait in a collective before the run is declared hung",
+        help="seconds a rank may wait in a collective before the run is declared hung "
+        "(default 300)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     parser.add_argument(

@@ -32,6 +32,7 @@ from megatron_lossfix.integrations.megatron_lm_rl_plans import (
     write_plan,
 )
 from megatron_lossfix.integrations.megatron_lm_rl_records import read_records
+from megatron_lossfix.integrations.patches import PatchError, check_checkout
 
 __all__ = ["REL", "compare", "main"]
 
@@ -123,7 +124,11 @@ def compare(
     (stock, then ``loss_reduction``) on the same rollouts. Prints what each step trained and
     the relative differences between the layouts; returns 0 when the plugin's agree to
     :data:`REL`, 1 when they do not, 2 when a launch failed (a refusal: its line)."""
-    tree = Path(megatron_lm_path).resolve()
+    try:  # what `patches apply` says of a directory that is not a Megatron-LM checkout
+        tree = check_checkout(Path(megatron_lm_path))
+    except PatchError as err:
+        echo(f"megatron_lossfix: {err}")
+        return 2
     train_rl = tree / "train_rl.py"
     if not train_rl.is_file() or "megatron_lossfix" not in train_rl.read_text():
         echo(f"megatron_lossfix: {train_rl} is not patched; run python -m "

@@ -203,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv[:1] == ["compare"]:
         return megatron_lm_rl_compare.main(argv[1:], prog)
+    if PLAN_ENV not in os.environ:  # --help, or a rank started without a plan
+        print(f"usage: {prog} write-plan PLAN MEGATRON_LM_PATH [--set NAME]\n"
+              f"       {prog} compare MEGATRON_LM_PATH [flags]\n"
+              f"(`{prog} compare --help` lists compare's flags; any other first argument is a "
+              f"rank of a replay, started by compare with {PLAN_ENV} set)")  # fmt: skip
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     plan = json.loads(Path(os.environ[PLAN_ENV]).read_text())
     train_rl = Path(plan["train_rl"])
     sys.path.insert(0, str(train_rl.parent))

@@ -44,6 +44,8 @@ __all__ = [
     "apply",
     "available_patches",
     "check",
+    "check_checkout",
+    "command_parser",
     "main",
     "megatron_core_version",
     "patches_dir",
@@ -142,7 +144,9 @@ def megatron_core_version(target: Path) -> str:
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
 
 
-def _check_target(target: Path, files: Sequence[str] = ()) -> Path:
+def check_checkout(target: Path, files: Sequence[str] = ()) -> Path:
+    """``target`` resolved when it is the root of a Megatron-LM checkout holding ``files``;
+    else :class:`PatchError`, one line naming the directory to pass."""
     target = Path(target).expanduser()
     if not target.is_dir():
         raise PatchError(f"{target} is not a directory: pass the root of a Megatron-LM checkout")
@@ -203,7 +207,7 @@ def select_patch(
     ``name``: a patch file's stem (``megatron_lm_core_v0.16.1``) or version (``0.16.1``,
     ``main``) to use instead of choosing by version.
     """
-    target = _check_target(target)
+    target = check_checkout(target)
     patches = available_patches(directory)
     if name is not None:
         chosen = [p for p in patches if name in (p.name, p.version)]
@@ -212,14 +216,14 @@ def select_patch(
                 f"no patch named {name!r}; known: {', '.join(p.name for p in patches)}"
             )
         info = chosen[0]
-        _check_target(target, info.files)
+        check_checkout(target, info.files)
         state, _ = _state(info, target)
         return info, state, f"patch {info.name} (chosen by name)"
     version = megatron_core_version(target)
     exact = [p for p in patches if p.version == version]
     if exact:
         info = exact[0]
-        _check_target(target, info.files)
+        check_checkout(target, info.files)
         state, message = _state(info, target)
         if state is State.CONFLICT:
             raise PatchError(
@@ -311,8 +315,8 @@ def revert(target: Path, name: str | None = None, directory: Path | None = None)
     return f"{how}: reverted in {target}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line; returns the exit status (see the module docstring)."""
+def command_parser() -> argparse.ArgumentParser:
+    """The command line's parser: ``apply``, ``revert``, ``check``, ``list``."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron_lossfix.patches",
         description="Patch a Megatron-LM checkout so that pretrain_gpt.py and train_rl.py take "
@@ -333,7 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "choosing by the checkout's Megatron-Core version",
         )
     sub.add_parser("list", help="list the patches and the versions they are made for")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line; returns the exit status (see the module docstring)."""
+    args = command_parser().parse_args(argv)
     try:
         if args.command == "list":
             for info in available_patches():

@@ -88,3 +88,23 @@ def bash_lines() -> list[str]:
     for _, lang, body in blocks("bash"):
         out += [c for c in block_commands(lang, body) if c not in out]
     return out
+
+
+#: The first command of a stack page: it makes the stack's own virtualenv, ``.venv-<stack>``,
+#: and installs into it what the page's commands need.
+INSTALL_LINE = re.compile(r"^python3\.12 -m venv \.venv-([\w-]+) && ")
+
+
+def install_line(page: str | Path) -> tuple[str, str]:
+    """``(stack, line)``: the one ``bash`` line of ``page`` (relative to the repository) that
+    makes a ``.venv-<stack>`` virtualenv, as printed. CI runs it so (``noxfile.py``)."""
+    found = {
+        (match[1], line)
+        for lang, body in _FENCE.findall((ROOT / page).read_text())
+        if lang == "bash"
+        for line in block_commands(lang, body)
+        if (match := INSTALL_LINE.match(line))
+    }
+    if len(found) != 1:
+        raise ValueError(f"{page}: {len(found)} install lines (python3.12 -m venv .venv-<stack>)")
+    return found.pop()
