@@ -14,6 +14,10 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
   slime from the source ``SLIME_SOURCE`` names, which ``.ci/run`` sets: slime is not on the
   package index, and without it its tests skip).
 
+* ``areal-3.12``: AReaL's stack (its audit, its adapter, AReaL's own loss tests) in a
+  virtualenv of its own at AReaL's pins (torch 2.10.0, megatron-core 0.17.0), as docs/areal.md
+  installs it; AReaL's tests from ``AREAL_TESTS`` (``.ci/run`` sets it; without it they skip).
+
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
@@ -43,7 +47,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "tests-3.11", "tests-3.12"]
+nox.options.sessions = ["lint", "tests-3.11", "tests-3.12", "areal-3.12"]
 #: Let Python cache the bytecode it compiles (the machine may say not to): the Megatron-LM trees
 #: the tests unpack would otherwise be compiled again by every process that imports them.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -105,6 +109,12 @@ VERL = "verl==0.9.1"  # as setup.py's extra pins it; installed without its depen
 #: together (.ci/rl-requirements.txt says why); their Megatron paths run side by side.
 SKYRL = "skyrl==0.4.0"
 RL_REQUIREMENTS = os.path.join(".ci", "rl-requirements.txt")
+#: AReaL pins torch below 2.11 and megatron-core 0.17.0: a world of its own, as docs/areal.md's
+#: install line builds it (tests/test_areal_stack.py holds the two to the same pins), its
+#: tests reading AReaL's test sources from ``AREAL_TESTS`` (``.ci/run`` sets it).
+AREAL_WORLD = ("torch==2.10.0", "megatron-core==0.17.0")
+AREAL = ("areal==1.0.4", "mbridge==0.15.1")  # without their dependencies, beside [areal]
+AREAL_TEST_FILES = ("tests/test_areal_stack.py", "tests/test_readme_stacks.py")
 
 
 def _expose_pyenv_versions() -> None:
@@ -296,3 +306,11 @@ def older_312(session: nox.Session) -> None:
     for release in OLDER_312:
         _install(session, release)
         _pytest(session, *RELEASE_TESTS)
+
+
+@nox.session(name="areal-3.12", python="3.12", download_python="never")
+def areal_312(session: nox.Session) -> None:
+    """AReaL's stack in a virtualenv of its own: docs/areal.md's install, then its tests."""
+    session.install(*NO_COMPILE, *AREAL_WORLD, "-e", ".[areal,test]")
+    session.install(*NO_COMPILE, "--no-deps", *AREAL)
+    _pytest(session, *AREAL_TEST_FILES)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HAVE_AREAL = importlib.util.find_spec("areal") is not None
 needs_areal = pytest.mark.skipif(
     not HAVE_AREAL,
-    reason='areal is not installed (pip install -e ".[areal]", then areal --no-deps: docs/areal.md)',
+    reason="areal is not installed (docs/areal.md: the [areal] extra, then areal --no-deps)",
 )
 TOL = 1e-5
 #: AReaL's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.
@@ -86,6 +87,17 @@ def test_kept_tokens_differ_where_the_loss_drops_tokens():
     assert counts["grpo"]["kept_tokens"] == counts["grpo"]["loss_tokens"]
     for setting in stack.DROPPING:
         assert 0 < counts[setting]["kept_tokens"] < counts[setting]["loss_tokens"]
+
+
+@pytest.mark.unit
+def test_ci_installs_what_the_page_installs():
+    from helpers import doc_pages
+
+    (line,) = {ln for ln in doc_pages.bash_lines() if ".venv-areal/bin/pip install" in ln}
+    nox = ROOT.joinpath("noxfile.py").read_text()
+    for pin in re.findall(r"[\w-]+==[\w.]+", line):
+        assert f'"{pin}"' in nox, f"CI does not install {pin} (docs/areal.md does)"
+    assert f"areal=={stack.MIN_VERSION}" in line
 
 
 # ------------------------------------------------------------------------------ e2e

@@ -18,8 +18,7 @@ Rows per setting: ``areal`` (as released) against the exact objective in AReaL's
 dependence alone), ``areal+lossfix`` (:mod:`megatron_lossfix.integrations.areal`, its default
 switch) against the zeroed objective, and, for the settings that drop tokens inside the loss,
 ``areal+lossfix+mask-in-loss`` (``enable(mask_in_loss=True)``) against the excluded one. Row
-names carry the mode and, beyond ``grpo``, the setting (``areal+lossfix:token_mean+m2po``);
-the rows without one are the worst over them.
+names carry the setting (``areal+lossfix:m2po``); the rows without one are the worst over them.
 """
 
 from __future__ import annotations
@@ -85,8 +84,8 @@ LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp1-m3", "dp2-m3", "pp2-m4", "tp2-m3", "c
 
 
 def row_name(row: str, mode: str, setting: str) -> str:
-    """The report's row of one run: ``row:mode``, and ``+setting`` beyond ``grpo``."""
-    return f"{row}:{mode}" + ("" if setting == "grpo" else f"+{setting}")
+    """The report's row of one run: ``row:setting`` (AReaL has one mode, ``token_mean``)."""
+    return f"{row}:{setting}"
 
 
 def target_of(row: str, setting: str) -> bool:
