@@ -95,13 +95,18 @@ def pytest_unconfigure(config: Any) -> None:
         hooks.close()
 
 
-def pytest_report_header(config: Any) -> str:
+def _adapter_line(config: Any) -> str:
     schedule = getattr(config, "areal_adapter", None)
     return f"megatron_lossfix AReaL adapter on: train_batch ({schedule.config.reduction})"
 
 
+def pytest_report_header(config: Any) -> str:
+    return _adapter_line(config)
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: Any) -> None:
+    """Also under ``-q`` (which drops the header): the switch, and the hooks' calls."""
     hooks = getattr(config, "areal_hooks", None)
     if hooks is not None:
         calls = ", ".join(f"{k} {v}" for k, v in hooks.calls.items())
-        terminalreporter.write_line(f"megatron_lossfix AReaL adapter hooks called: {calls}")
+        terminalreporter.write_line(f"{_adapter_line(config)}; loss hooks called: {calls}")
