@@ -105,7 +105,7 @@ BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 #: runs ``tests/test_<stack>_stack.py`` and the pages' stack commands with that virtualenv's
 #: Python. A page whose line names a variable that is not set (slime's ``SLIME_SOURCE``) is
 #: left out, saying so. A new stack is one more page here.
-STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md")
+STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md", "docs/areal.md")
 #: The pages' stack commands, run in each stack's virtualenv (another stack's skip there).
 STACK_COMMANDS_TESTS = ("tests/test_readme_stacks.py",)
 

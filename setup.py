@@ -70,6 +70,40 @@ setup(
         # package index: it is installed from its source without dependencies beside this
         # extra (docs/slime.md; CI runs that page's line in a fresh virtualenv).
         "slime": ["httpx", "packaging", "psutil", "tqdm", "wandb"],
+        # AReaL's Megatron loss path (areal/engine/megatron_engine.py, trainer/ppo/actor.py and
+        # what they import) beside torch and megatron-core, at AReaL's own pins. areal itself
+        # and mbridge install without dependencies beside this extra (AReaL's own requirements
+        # include agent frameworks and GPU-only packages the loss path never imports); Megatron
+        # Bridge, which imports Transformer Engine, is provided by the stack audit (docs/areal.md).
+        "areal": [
+            "transformers>=5.0.0,<=5.3.0",
+            "hydra-core==1.4.0.dev1",
+            "omegaconf==2.4.0.dev2",
+            "swanlab==0.6.12",
+            "aiohttp>=3.13.3,<4",
+            "httpx>=0.28.1",
+            "uvloop>=0.21.0",
+            "tenacity>=8.2.0",
+            "pillow>=12.1.1",
+            "datasets>=3.0.0",
+            "aiofiles",
+            "colorlog",
+            "einops",
+            "flask",
+            "lark",
+            "numba",
+            "openai",
+            "orjson",
+            "pybase64",
+            "pyyaml",
+            "ray",
+            "safetensors",
+            "tabulate",
+            "tensorboardx",
+            "torchdata",
+            "trackio",
+            "wandb",
+        ],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

@@ -31,6 +31,12 @@ from types import ModuleType
 __all__ = ["STACKS", "load_stack"]
 
 
+def _areal() -> ModuleType:
+    from megatron_lossfix.audit.stacks import areal
+
+    return areal
+
+
 def _verl() -> ModuleType:
     from megatron_lossfix.audit.stacks import verl
 
@@ -50,7 +56,12 @@ def _skyrl() -> ModuleType:
 
 
 #: Stack name -> a function returning the module that runs it.
-STACKS: dict[str, Callable[[], ModuleType]] = {"skyrl": _skyrl, "slime": _slime, "verl": _verl}
+STACKS: dict[str, Callable[[], ModuleType]] = {
+    "areal": _areal,
+    "skyrl": _skyrl,
+    "slime": _slime,
+    "verl": _verl,
+}
 
 
 def load_stack(name: str) -> ModuleType:
