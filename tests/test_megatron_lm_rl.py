@@ -42,8 +42,10 @@ from helpers.launch import slots
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
 from torch.overrides import TorchFunctionMode
 
-from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl, megatron_lm_rl_groups
-from megatron_lossfix.integrations.megatron_lm import add_args_provider
+from megatron_lossfix.integrations.megatron_lm import rl as megatron_lm_rl
+from megatron_lossfix.integrations.megatron_lm import rl_groups as megatron_lm_rl_groups
+from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
+from megatron_lossfix.integrations.megatron_lm.training import add_args_provider
 from megatron_lossfix.runtime.config import LossFixConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -539,7 +541,7 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
 def test_cpu_attention_runs_each_packed_segment_alone() -> None:
     """On CPU, ``thd`` packed-sequence parameters are served one ``cu_seqlens`` segment at a
     time, each causal; a micro-batch of more than one row is refused with one line."""
-    from megatron_lossfix.integrations.cpu_megatron_lm import _attend_per_segment
+    from megatron_lossfix.integrations.megatron_lm.cpu import _attend_per_segment
 
     calls = []
 

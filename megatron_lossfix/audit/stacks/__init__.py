@@ -32,19 +32,19 @@ __all__ = ["STACKS", "load_stack"]
 
 
 def _verl() -> ModuleType:
-    from megatron_lossfix.audit.stacks import verl
+    from megatron_lossfix.audit.stacks.verl import stack as verl
 
     return verl
 
 
 def _slime() -> ModuleType:
-    from megatron_lossfix.audit.stacks import slime
+    from megatron_lossfix.audit.stacks.slime import stack as slime
 
     return slime
 
 
 def _skyrl() -> ModuleType:
-    from megatron_lossfix.audit.stacks import skyrl
+    from megatron_lossfix.audit.stacks.skyrl import stack as skyrl
 
     return skyrl
 
