@@ -24,7 +24,7 @@ setup(
     # The runtime and its subpackages only: tests/ and examples/ stay in the repository.
     packages=find_packages(include=["megatron_lossfix", "megatron_lossfix.*"]),
     # What `python -m megatron_lossfix install-bridge` installs beside Megatron Bridge.
-    package_data={"megatron_lossfix.integrations": ["bridge-requirements.txt"]},
+    package_data={"megatron_lossfix.integrations.bridge.adapter": ["requirements.txt"]},
     # Megatron-LM patches (python -m megatron_lossfix.patches): the repository's patches/ is the
     # only copy; a non-editable install puts them under <prefix>/share/megatron_lossfix/patches.
     data_files=[("share/megatron_lossfix/patches", sorted(glob("patches/*.patch")))],
@@ -110,7 +110,7 @@ setup(
     entry_points={
         "console_scripts": ["megatron-lossfix=megatron_lossfix.__main__:main"],
         # verl loads its plugins when it is imported; the adapter acts only when switched on.
-        "verl.plugins": ["megatron_lossfix=megatron_lossfix.integrations.verl"],
+        "verl.plugins": ["megatron_lossfix=megatron_lossfix.integrations.verl.adapter"],
     },
     classifiers=[
         "License :: OSI Approved :: Apache Software License",

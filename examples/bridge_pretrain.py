@@ -43,7 +43,7 @@ from megatron_lossfix.args import (
     non_negative_int,
     positive_int,
 )
-from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
+from megatron_lossfix.integrations.bridge.cpu import enable_cpu_bridge
 
 PROG = "bridge_pretrain.py"
 

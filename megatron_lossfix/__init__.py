@@ -53,8 +53,11 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-#: Modules that stood at the package root before the runtime moved into layer folders: their old
-#: addresses keep working, with a DeprecationWarning, for one release (CHANGELOG.md).
+#: Modules that moved: those that stood at the package root before the runtime moved into layer
+#: folders, and those of ``integrations/`` and ``audit/stacks/`` before each framework got a folder
+#: of its own. Their old addresses keep working, with a DeprecationWarning, for one release
+#: (CHANGELOG.md). (A framework's old module address, ``integrations.verl`` say, is its folder now,
+#: which serves the adapter's names: it needs no entry here.)
 MOVED_MODULES = {
     f"{__name__}.{old}": f"{__name__}.{new}"
     for old, new in {
@@ -72,6 +75,22 @@ MOVED_MODULES = {
         "schedule": "step.schedule",
         "selfcheck": "step.selfcheck",
         "wrappers": "step.wrappers",
+        "audit.stacks.slime_batch": "audit.stacks.slime.batch",
+        "audit.stacks.slime_objective": "audit.stacks.slime.objective",
+        "audit.stacks.slime_ranks": "audit.stacks.slime.ranks",
+        "integrations.cpu_megatron_bridge": "integrations.bridge.cpu",
+        "integrations.cpu_megatron_lm": "integrations.megatron_lm.cpu",
+        "integrations.install_bridge": "integrations.bridge.install",
+        "integrations.megatron_lm_batches": "integrations.megatron_lm.batches",
+        "integrations.megatron_lm_metrics": "integrations.megatron_lm.metrics",
+        "integrations.megatron_lm_rl": "integrations.megatron_lm.rl",
+        "integrations.megatron_lm_rl_compare": "integrations.megatron_lm.rl_compare",
+        "integrations.megatron_lm_rl_groups": "integrations.megatron_lm.rl_groups",
+        "integrations.megatron_lm_rl_plans": "integrations.megatron_lm.rl_plans",
+        "integrations.megatron_lm_rl_records": "integrations.megatron_lm.rl_records",
+        "integrations.megatron_lm_rl_replay": "integrations.megatron_lm.rl_replay",
+        "integrations.megatron_lm_tiny_gpt": "integrations.megatron_lm.tiny_gpt",
+        "integrations.patches": "integrations.megatron_lm.patches",
     }.items()
 }
 

@@ -2,10 +2,10 @@
 
 Commands (in the order ``--help`` lists them):
   audit    run the gradient invariance matrix on this machine (``megatron_lossfix.audit``)
-  install-bridge  install Megatron Bridge into this environment (``integrations.install_bridge``)
-  patches  apply, check, revert or list our Megatron-LM patches (``integrations.patches``)
+  install-bridge  install Megatron Bridge into this environment (``integrations.bridge.install``)
+  patches  apply, check, revert or list our Megatron-LM patches (``integrations.megatron_lm``)
   rl-replay  replay fixed rollouts through Megatron-LM's train_rl.py; ``compare``: stock against
-           the plugin, 1 rank against DP2 (``integrations.megatron_lm_rl_replay``)
+           the plugin, 1 rank against DP2 (``integrations.megatron_lm.rl_replay``)
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "install-bridge": (
         "install Megatron Bridge 0.6.2 into this Python's environment (3.12, megatron-core "
         "0.19; CPU or CUDA); refuses another Python or megatron-core in one line",
-        "megatron_lossfix.integrations.install_bridge",
+        "megatron_lossfix.integrations.bridge.install",
     ),
     "patches": (
         "apply, check or revert the Megatron-LM patch that adds --loss-reduction and the "
         "plugin's flags to pretrain_gpt.py and train_rl.py, or list the patches",
-        "megatron_lossfix.integrations.patches",
+        "megatron_lossfix.integrations.megatron_lm.patches",
     ),
     "rl-replay": (
         "replay fixed rollouts through a patched Megatron-LM's train_rl.py (CPU or GPU): "
         "write-plan, compare (stock against the plugin, 1 rank against DP2), or a rank",
-        "megatron_lossfix.integrations.megatron_lm_rl_replay",
+        "megatron_lossfix.integrations.megatron_lm.rl_replay",
     ),
 }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import tarfile
@@ -24,8 +23,7 @@ import torch
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
 from megatron_lossfix.audit.oracle import relative_error
-from megatron_lossfix.audit.stacks import areal as stack
-from megatron_lossfix.audit.stacks.areal import objective, ranks
+from megatron_lossfix.audit.stacks.areal import objective, ranks, stack
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_AREAL = importlib.util.find_spec("areal") is not None

@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers.launch import Launch, launch_side_by_side
 
-from megatron_lossfix.integrations.bridge import bridge_cu_seqlens
+from megatron_lossfix.integrations.bridge.adapter import bridge_cu_seqlens
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_BRIDGE = importlib.util.find_spec("megatron.bridge") is not None
@@ -89,12 +89,12 @@ LORA_CHECKED = [*CHECKED, ("tp2", "sequence_mean")]
 TORCHRUN = ("dp2", "token_mean")
 #: What the example imports, in its order: the CPU mode first, then Bridge's training loop.
 PRELOAD = (
-    "megatron_lossfix.integrations.cpu_megatron_bridge:enable_cpu_bridge",
+    "megatron_lossfix.integrations.bridge.cpu:enable_cpu_bridge",
     "megatron.bridge.training.pretrain",
     "megatron.bridge.training.config",
     "megatron.bridge.models",
     "megatron.bridge.peft.lora",
-    "megatron_lossfix.integrations.bridge",
+    "megatron_lossfix.integrations.bridge.adapter",
 )
 RTOL = 1e-6
 _LM_LOSS = re.compile(r"lm loss: ([0-9.E+-]+)")
@@ -364,11 +364,11 @@ def test_bridge_moe_aux_loss_is_stock(layout, tmp_path_factory, report_figure):
 def test_enable_disable_bridge_is_idempotent_and_reversible():
     """enable_bridge twice, then disable_bridge, leaves Bridge's own functions in place."""
     script = """
-from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
+from megatron_lossfix.integrations.bridge.cpu import enable_cpu_bridge
 enable_cpu_bridge()
 from megatron.bridge.training import train
 from megatron_lossfix import LossFixConfig
-from megatron_lossfix.integrations.bridge import disable_bridge, enable_bridge
+from megatron_lossfix.integrations.bridge.adapter import disable_bridge, enable_bridge
 getter, step = train.get_forward_backward_func, train.train_step
 enable_bridge(LossFixConfig(reduction="token_mean"), metrics_out="/dev/null")
 patched = train.get_forward_backward_func

@@ -17,7 +17,7 @@ import pytest
 from megatron_lossfix.__main__ import COMMANDS
 from megatron_lossfix.args import add_lossfix_args, from_args
 from megatron_lossfix.audit.stacks import STACKS
-from megatron_lossfix.integrations.patches import command_parser
+from megatron_lossfix.integrations.megatron_lm.patches import command_parser
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import MODES, mode_of
 from megatron_lossfix.step.selfcheck import first_step_check

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from megatron_lossfix.__main__ import main as cli
-from megatron_lossfix.integrations import install_bridge
+from megatron_lossfix.integrations.bridge import install as install_bridge
 
 pytestmark = pytest.mark.unit
 

@@ -118,10 +118,20 @@ def imports(module: str) -> list[tuple[int, str, str | None]]:
 
     ``from megatron_lossfix.rl import objective`` imports the module
     ``megatron_lossfix.rl.objective``; ``from megatron_lossfix import LossFixSchedule`` imports
-    a name of the package itself.
+    a name of the package itself; a framework's folder that serves its adapter's names
+    (``__getattr__ = serve(__name__, "adapter")``) imports ``<folder>.adapter``.
     """
     path = MODULES[module]
-    return _imports_in(ast.parse(path.read_text(), filename=str(path)), module)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    served = [
+        (node.lineno, f"{module}.{node.args[1].value}", None)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "serve"
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Constant)
+    ]
+    return _imports_in(tree, module) + served
 
 
 def _own(name: str) -> bool:
@@ -344,7 +354,39 @@ def test_the_machine_path_rule(text, machine):
 
 def test_the_checks_see_lazy_and_relative_imports():
     """The parser is not vacuous: it finds a lazy Megatron import, and resolves a package-relative
-    ``from megatron_lossfix.integrations import patches`` to the module."""
+    ``from megatron_lossfix.integrations.megatron_lm import patches`` to the module, and sees what
+    a framework's folder serves."""
     found = imports(f"{PACKAGE}.step.megatron_compat")
     assert any(target == "megatron.core.pipeline_parallel" for _, target, _ in found)
-    assert f"{PACKAGE}.integrations.patches" in _edges()[f"{PACKAGE}.patches"]
+    assert f"{PACKAGE}.integrations.megatron_lm.patches" in _edges()[f"{PACKAGE}.patches"]
+    served = _edges()[f"{PACKAGE}.integrations.bridge"]
+    assert f"{PACKAGE}.integrations.bridge.adapter" in served
+
+
+FRAMEWORKS = sorted(
+    p.name for p in (ROOT / "integrations").iterdir() if p.is_dir() and p.name[0] != "_"
+)
+
+
+def test_each_framework_has_one_folder_laid_out_one_way():
+    """``integrations/`` holds one folder per framework and no loose module; each folder's
+    package serves its main module's names (``adapter``; Megatron-LM's patch calls
+    ``training``), and each stack audit stands in ``audit/stacks/<framework>/stack.py``, beside a
+    framework folder of the same name."""
+    loose = sorted(p.name for p in (ROOT / "integrations").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside a framework's folder in integrations/: {loose}"
+    assert {"megatron_lm", "bridge", "verl", "skyrl", "slime"} <= set(FRAMEWORKS)
+    for name in FRAMEWORKS:
+        served = [t for _, t, _ in imports(f"{PACKAGE}.integrations.{name}") if _own(t)]
+        main = f"{PACKAGE}.integrations.{name}.{'training' if name == 'megatron_lm' else 'adapter'}"
+        assert main in served and main in MODULES, f"integrations/{name}/ does not serve {main}"
+    stacks = sorted(p.name for p in (ROOT / "audit" / "stacks").iterdir() if p.is_dir())
+    stacks = [s for s in stacks if s[0] != "_"]
+    loose = sorted(
+        p.name for p in (ROOT / "audit" / "stacks").glob("*.py")
+        if p.name not in ("__init__.py", "modes.py")
+    )  # fmt: skip
+    assert not loose, f"stack modules outside a framework's folder in audit/stacks/: {loose}"
+    for name in stacks:
+        assert f"{PACKAGE}.audit.stacks.{name}.stack" in MODULES, f"audit/stacks/{name}/stack.py"
+        assert name in FRAMEWORKS, f"audit/stacks/{name}/ has no integrations/{name}/ beside it"

@@ -194,7 +194,7 @@ def _cp_slices(layout: Layout, seq: int) -> tuple[int, list[float], list[float],
 
     from megatron.core import parallel_state as ps
 
-    from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
+    from megatron_lossfix.integrations.megatron_lm.training import MegatronLMLossFix
     from megatron_lossfix.runtime.config import LossFixConfig
     from megatron_lossfix.step.megatron_compat import resolve_groups
 

@@ -1,4 +1,5 @@
-"""Tests of ``megatron_lossfix.integrations.megatron_lm``, the code our Megatron-LM patch calls.
+"""Tests of ``megatron_lossfix.integrations.megatron_lm.training``, what our Megatron-LM patch
+calls.
 
 Unit tests (no Megatron-LM): flag composition, the refusals, the forward-step wrapper and the
 ``[contribution, indicator]`` report that makes Megatron-LM log the global loss.
@@ -26,7 +27,7 @@ from helpers.megatron_lm_run import (
 )
 from test_examples import max_rel_diff
 
-from megatron_lossfix.integrations.megatron_lm import (
+from megatron_lossfix.integrations.megatron_lm.training import (
     LOSS_KEY,
     MegatronLMLossFix,
     add_args_provider,

@@ -49,7 +49,7 @@ from megatron_lossfix.integrations import (
     megatron_lm_rl_groups,
     megatron_lm_rl_steps,
 )
-from megatron_lossfix.integrations.megatron_lm import add_args_provider
+from megatron_lossfix.integrations.megatron_lm.training import add_args_provider
 from megatron_lossfix.runtime.config import LossFixConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -554,7 +554,7 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
 def test_cpu_attention_runs_each_packed_segment_alone() -> None:
     """On CPU, ``thd`` packed-sequence parameters are served one ``cu_seqlens`` segment at a
     time, each causal; a micro-batch of more than one row is refused with one line."""
-    from megatron_lossfix.integrations.cpu_megatron_lm import _attend_per_segment
+    from megatron_lossfix.integrations.megatron_lm.cpu import _attend_per_segment
 
     calls = []
 

@@ -204,3 +204,22 @@ def test_the_step_classes_old_address_still_imports_with_a_warning():
         from megatron_lossfix.step import Step as old
 
     assert old is Step
+
+
+def test_a_frameworks_folder_serves_its_adapters_names_without_a_warning():
+    """``integrations.<framework>`` was the adapter's module and is its folder now: the names a
+    user or a patched Megatron-LM tree reads there are still served, with no warning."""
+    import warnings
+
+    from megatron_lossfix.integrations.megatron_lm import training
+    from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
+    from megatron_lossfix.integrations.slime import adapter
+    from megatron_lossfix.integrations.slime import adapter as slime
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert megatron_lm.add_args_provider is training.add_args_provider
+        assert megatron_lm.enable_cpu_megatron_lm is training.enable_cpu_megatron_lm
+        assert slime.enable is adapter.enable
+    with pytest.raises(AttributeError, match="no_such_name"):
+        slime.no_such_name  # noqa: B018

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.megatron_lm_run import NEEDS_ARCHIVES, archives_folder, unpack_tag
 
-from megatron_lossfix.integrations import patches
-from megatron_lossfix.integrations.patches import PatchError, State
+from megatron_lossfix.integrations.megatron_lm import patches
+from megatron_lossfix.integrations.megatron_lm.patches import PatchError, State
 
 ORIGINAL = "def greet():\n    return 'hello'\n\n\nprint(greet())\n"
 PATCHED = "def greet():\n    return 'hello, world'\n\n\nprint(greet())\n"
@@ -215,7 +215,7 @@ def test_command_line_exit_codes(
 def test_repository_patches_are_found_and_well_formed() -> None:
     infos = patches.available_patches()
     assert {i.version for i in infos} >= {"0.16.1", "0.17.1", "0.18.2", "0.19.1", "main"}
-    assert patches.patches_dir() == Path(patches.__file__).resolve().parents[2] / "patches"
+    assert patches.patches_dir() == Path(patches.__file__).resolve().parents[3] / "patches"
     for info in infos:
         assert {"pretrain_gpt.py", "train_rl.py"} <= set(info.files)
         # Our code is called, never copied: each script's diff stays a few lines.

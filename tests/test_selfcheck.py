@@ -622,7 +622,7 @@ def _bridge_loop_on_rank(loss: str, reduction: str) -> dict:
 
     from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, microbatch_plan
     from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
-    from megatron_lossfix.integrations.bridge import BridgeLossFix
+    from megatron_lossfix.integrations.bridge.adapter import BridgeLossFix
 
     init_layout(Layout())
     chunks, config = build_tiny_gpt(Layout(), seq_len=16, no_attention=True)

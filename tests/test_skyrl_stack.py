@@ -17,7 +17,7 @@ import torch
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
 from megatron_lossfix.audit.oracle import microbatch_plan, relative_error
-from megatron_lossfix.integrations.skyrl import SKYRL_MODES, lossfix_config_for
+from megatron_lossfix.integrations.skyrl.adapter import SKYRL_MODES, lossfix_config_for
 
 HAVE_SKYRL = importlib.util.find_spec("skyrl") is not None
 needs_skyrl = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def test_unknown_skyrl_mode_and_missing_max_seq_len_are_refused():
 
 @pytest.mark.unit
 def test_group_ids_follow_skyrl_prompt_boundaries():
-    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+    from megatron_lossfix.integrations.skyrl.adapter import group_ids_from_boundaries
 
     ids = group_ids_from_boundaries([(0, 2), (2, 5), (5, 6)], 6)
     assert ids.tolist() == [0, 0, 1, 1, 1, 2] and ids.dtype == torch.long
@@ -145,7 +145,7 @@ def test_skyrl_prompt_mean_is_the_plugins_group_mean_but_for_all_masked_prompts(
     )
 
     from megatron_lossfix import loss_weights
-    from megatron_lossfix.integrations.skyrl import group_ids_from_boundaries
+    from megatron_lossfix.integrations.skyrl.adapter import group_ids_from_boundaries
 
     mask, _, _ = global_batch(masked_prompt)
     ones = torch.ones_like(mask)
@@ -182,7 +182,7 @@ def skyrl_pool():
 
 
 def _errors(pool, worker, mode: str, terms: str = "all") -> dict[str, float]:
-    from megatron_lossfix.audit.stacks.skyrl import skyrl_reference, stack_case
+    from megatron_lossfix.audit.stacks.skyrl.stack import skyrl_reference, stack_case
 
     lay = parse_layout("dp2-m3")
     case = stack_case(AuditOptions(), lay)
@@ -199,7 +199,7 @@ def _errors(pool, worker, mode: str, terms: str = "all") -> dict[str, float]:
     [("all", "token_mean"), ("kl_entropy", "token_mean"), ("all", "prompt_mean")],
 )
 def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms, mode):
-    from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
+    from megatron_lossfix.audit.stacks.skyrl.stack import skyrl_layout_grads
 
     errors = _errors(skyrl_pool, skyrl_layout_grads, mode, terms)
     assert errors["skyrl+lossfix"] <= TOL, errors
@@ -210,7 +210,7 @@ def test_adapter_is_exact_and_skyrl_as_released_is_not(skyrl_pool, terms, mode):
 @needs_skyrl
 @pytest.mark.e2e
 def test_sft_path_is_exact_as_released_and_through_the_adapter(skyrl_pool):
-    from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
+    from megatron_lossfix.audit.stacks.skyrl.stack import skyrl_layout_grads
 
     # SkyRL 0.3.0 divides the SFT loss mask by the mini-batch's token count on the driver and
     # undoes Megatron's averaging: exact for token_mean (measured; see docs/skyrl.md).

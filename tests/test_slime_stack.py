@@ -27,10 +27,10 @@ import torch
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
 from megatron_lossfix.audit.oracle import relative_error
-from megatron_lossfix.audit.stacks import slime as stack
-from megatron_lossfix.audit.stacks.slime_objective import slime_references
-from megatron_lossfix.audit.stacks.slime_ranks import EXCLUDED_ROW
-from megatron_lossfix.integrations import slime as adapter
+from megatron_lossfix.audit.stacks.slime import stack
+from megatron_lossfix.audit.stacks.slime.objective import slime_references
+from megatron_lossfix.audit.stacks.slime.ranks import EXCLUDED_ROW
+from megatron_lossfix.integrations.slime import adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_SLIME = importlib.util.find_spec("slime") is not None

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_lossfix.audit.command import main
 from megatron_lossfix.audit.matrix import parse_layout
-from megatron_lossfix.integrations import verl as adapter
+from megatron_lossfix.integrations.verl import adapter
 
 needs_verl = pytest.mark.skipif(
     importlib.util.find_spec("verl") is None, reason="verl is not installed: pip install -e .[verl]"
@@ -78,7 +78,7 @@ def test_stack_defaults_are_its_modes_and_measured_layouts():
     import argparse
 
     from megatron_lossfix.audit.options import add_audit_args, options_from_args
-    from megatron_lossfix.audit.stacks import verl as stack
+    from megatron_lossfix.audit.stacks.verl import stack
 
     args = add_audit_args(argparse.ArgumentParser()).parse_args(["--stack", "verl"])
     opts = options_from_args(args)
@@ -177,7 +177,7 @@ def test_verl_through_the_adapter_is_exact_where_verl_misses(tmp_path, dist_pool
 @needs_verl
 @pytest.mark.e2e
 def test_the_audit_fails_when_the_adapter_is_bypassed(tmp_path, dist_pool):
-    from megatron_lossfix.audit.stacks import verl as stack
+    from megatron_lossfix.audit.stacks.verl import stack
 
     bypassed = partial(stack.layout_grads, adapter=False)
     status, report = _audit(tmp_path, dist_pool, MISSED, stack_worker=bypassed)

@@ -47,7 +47,7 @@ __all__ = ["Launch", "Result", "launch", "launch_side_by_side", "slots", "zygote
 #: Variables that differ between launches but not in what they import (a script reads them
 #: when it runs): not part of a zygote's key (its environment is that of the launch that
 #: started it; each rank gets its own launch's). ``LOSSFIX_RL_PLAN``: the RL replay's plan
-#: (``megatron_lossfix.integrations.megatron_lm_rl_replay``).
+#: (``megatron_lossfix.integrations.megatron_lm.rl_replay``).
 _PER_TEST_ENV = ("PYTEST_CURRENT_TEST", "LOSSFIX_RL_PLAN")
 #: The fd number on which a zygote writes its replies (its stdout is the imports' output).
 _REPLY_FD_ENV = "LAUNCH_ZYGOTE_REPLY_FD"

@@ -1,7 +1,7 @@
 """The RL replay of Megatron-LM's ``train_rl.py`` for the tests.
 
 The replay itself (plans, rollout sets, the rank side that ``torchrun -m`` runs) is part of the
-package: :mod:`megatron_lossfix.integrations.megatron_lm_rl_replay` (and the modules of its
+package: :mod:`megatron_lossfix.integrations.megatron_lm.rl_replay` (and the modules of its
 parts, ``megatron_lm_rl_plans``, ``_records``, ``_compare``). This adds the tests' launch
 of it (:func:`rl_launch`), its ranks forked from the tree's zygote.
 """
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_lossfix.integrations.megatron_lm_rl_compare import compare
-from megatron_lossfix.integrations.megatron_lm_rl_plans import (
+from megatron_lossfix.integrations.megatron_lm.rl_compare import compare
+from megatron_lossfix.integrations.megatron_lm.rl_plans import (
     MODULE,
     PLAN_ENV,
     SEQ_LENGTH,
@@ -22,8 +22,8 @@ from megatron_lossfix.integrations.megatron_lm_rl_plans import (
     rollout_sets,
     write_plan,
 )
-from megatron_lossfix.integrations.megatron_lm_rl_records import read_records
-from megatron_lossfix.integrations.megatron_lm_rl_replay import MockTokenizer
+from megatron_lossfix.integrations.megatron_lm.rl_records import read_records
+from megatron_lossfix.integrations.megatron_lm.rl_replay import MockTokenizer
 
 __all__ = [
     "PLAN_ENV",

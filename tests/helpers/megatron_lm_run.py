@@ -34,8 +34,8 @@ from pathlib import Path
 
 from helpers.launch import Launch as Job
 from helpers.launch import launch_side_by_side
-from megatron_lossfix.integrations import patches
-from megatron_lossfix.integrations.megatron_lm_tiny_gpt import (
+from megatron_lossfix.integrations.megatron_lm import patches
+from megatron_lossfix.integrations.megatron_lm.tiny_gpt import (
     VOCAB_SIZE,
     checkout_null_tokenizer_eod,
     tiny_gpt_flags,

@@ -9,15 +9,15 @@ def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
     """The adapted row with the adapter bypassed: ``LossFixModelWrapper`` runs SkyRL's own
     ``forward_backward_mini_batch`` on the raw advantages (what a user gets who swaps the class
     but whose step never reaches the plugin)."""
-    from megatron_lossfix.audit.stacks.skyrl import provide_bridge_finalizer
+    from megatron_lossfix.audit.stacks.skyrl.stack import provide_bridge_finalizer
 
     provide_bridge_finalizer()
     from skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrapper import (
         MegatronModelWrapper,
     )
 
-    from megatron_lossfix.audit.stacks.skyrl import skyrl_layout_grads
-    from megatron_lossfix.integrations import skyrl as adapter
+    from megatron_lossfix.audit.stacks.skyrl.stack import skyrl_layout_grads
+    from megatron_lossfix.integrations.skyrl import adapter
 
     cls = adapter.LossFixModelWrapper
     own = cls.forward_backward_mini_batch

@@ -12,8 +12,8 @@ def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
     (what a user gets whose step never reaches the plugin)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_lossfix.audit.stacks.slime import slime_layout_grads
-    from megatron_lossfix.integrations import slime as adapter
+    from megatron_lossfix.audit.stacks.slime.stack import slime_layout_grads
+    from megatron_lossfix.integrations.slime import adapter
 
     own = adapter.enable
 
@@ -34,8 +34,8 @@ def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
 def zeroed_mask_in_loss_grads(*args: Any, **kwargs: Any) -> Any:
     """The mask-in-loss row with its switch handing the adapter the zeroed meaning (what a user
     gets whose dropped tokens still count): its gradients must miss the excluded objective."""
-    from megatron_lossfix.audit.stacks.slime_ranks import EXCLUDED_ROW, slime_layout_grads
-    from megatron_lossfix.integrations import slime as adapter
+    from megatron_lossfix.audit.stacks.slime.ranks import EXCLUDED_ROW, slime_layout_grads
+    from megatron_lossfix.integrations.slime import adapter
 
     own = adapter.enable_mask_in_loss
     adapter.enable_mask_in_loss = adapter.enable
@@ -50,7 +50,7 @@ def pytest_configure(config: Any) -> None:
     run with ``--custom-megatron-init-path megatron_lossfix.integrations.slime.enable`` has it:
     Megatron-Core on the CPU, and slime's schedule lookup answered by the adapter."""
     import megatron_lossfix
-    from megatron_lossfix.integrations import slime as adapter
+    from megatron_lossfix.integrations.slime import adapter
 
     megatron_lossfix.enable_cpu_megatron()
     _one_rank_megatron()

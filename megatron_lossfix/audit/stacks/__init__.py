@@ -32,25 +32,25 @@ __all__ = ["STACKS", "load_stack"]
 
 
 def _areal() -> ModuleType:
-    from megatron_lossfix.audit.stacks import areal
+    from megatron_lossfix.audit.stacks.areal import stack as areal
 
     return areal
 
 
 def _verl() -> ModuleType:
-    from megatron_lossfix.audit.stacks import verl
+    from megatron_lossfix.audit.stacks.verl import stack as verl
 
     return verl
 
 
 def _slime() -> ModuleType:
-    from megatron_lossfix.audit.stacks import slime
+    from megatron_lossfix.audit.stacks.slime import stack as slime
 
     return slime
 
 
 def _skyrl() -> ModuleType:
-    from megatron_lossfix.audit.stacks import skyrl
+    from megatron_lossfix.audit.stacks.skyrl import stack as skyrl
 
     return skyrl
 

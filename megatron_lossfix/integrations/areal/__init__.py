@@ -1,32 +1,8 @@
-"""AReaL (``areal`` on the package index) with exact, layout-invariant loss normalization.
-
-The framework's one place in the integrations: the adapter (:mod:`.adapter`, re-exported here;
-its switch is :func:`enable`), beside the stack audit that runs AReaL's own step
-(``megatron_lossfix.audit.stacks.areal``). docs/areal.md says how to install and run both.
+"""AReaL: ``adapter`` (its Megatron engine's step with the plugin's weights; the switch is
+``enable``); its names are served at this address. The stack audit that runs AReaL's own step
+stands in ``megatron_lossfix.audit.stacks.areal``; docs/areal.md says how to install and run both.
 """
 
-from megatron_lossfix.integrations.areal.adapter import (
-    AREAL_MODE,
-    SELF_CHECK_ENV,
-    LossFixForwardBackward,
-    cp_local_tokens,
-    disable,
-    enable,
-    lossfix_config,
-    lossfix_train_batch,
-    step_m2po_keep,
-    weighted_loss,
-)
+from megatron_lossfix.integrations import serve
 
-__all__ = [
-    "AREAL_MODE",
-    "SELF_CHECK_ENV",
-    "LossFixForwardBackward",
-    "cp_local_tokens",
-    "disable",
-    "enable",
-    "lossfix_config",
-    "lossfix_train_batch",
-    "step_m2po_keep",
-    "weighted_loss",
-]
+__getattr__ = serve(__name__, "adapter")

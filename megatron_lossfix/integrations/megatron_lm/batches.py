@@ -1,5 +1,5 @@
 """The loss stage's batches under Megatron-LM's plumbing, for
-:class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix`.
+:class:`~megatron_lossfix.integrations.megatron_lm.training.MegatronLMLossFix`.
 
 Megatron-LM gives the data iterator to tensor-parallel rank 0 of each stage only, and its
 loader yields CPU tensors: :class:`MasksToDevice` moves each batch's loss mask to the device and
@@ -80,7 +80,7 @@ class Recording:
     """Passes ``next()`` through and remembers the last item (the micro-batch forward_step
     read, holding the weights the plugin attached). With ``item_key``, a dict item holding
     that key is passed on as its value (the script's own item, which the plugin's micro-batch
-    dict carries: ``megatron_lm_rl``)."""
+    dict carries: ``rl``)."""
 
     def __init__(self, source: Iterator, item_key: str | None = None) -> None:
         self._source = source

@@ -22,7 +22,7 @@ the audit's labels, aggregated by ``agg_loss``), and the data: the audit's globa
 rank's contiguous slice as a ``TensorDict``.
 
 The ``verl+lossfix`` rows run the same engine and loss function through
-:func:`megatron_lossfix.integrations.verl.forward_backward_batch`.
+:func:`megatron_lossfix.integrations.verl.adapter.forward_backward_batch`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DISTRIBUTION = "verl"
 
 
 def _stack_modes() -> dict[str, StackMode]:
-    from megatron_lossfix.integrations.verl import DIVIDES_BY_BATCH_SIZE, VERL_MODES
+    from megatron_lossfix.integrations.verl.adapter import DIVIDES_BY_BATCH_SIZE, VERL_MODES
 
     return {
         name: StackMode(
@@ -110,7 +110,7 @@ def _engine_class() -> type:
         MegatronEngineWithLMHead,
     )
 
-    from megatron_lossfix.integrations.verl import released_forward_backward_batch
+    from megatron_lossfix.integrations.verl.adapter import released_forward_backward_batch
 
     class _Engine:
         # verl's own even where the adapter is installed in this process.
@@ -232,7 +232,7 @@ def layout_grads(
     ``{(row, mode): full gradient}`` (None elsewhere). ``adapter=False`` runs the adapted row
     through verl's released path too (the check that the audit sees a bypassed adapter)."""
     from megatron_lossfix.audit import tiny_gpt
-    from megatron_lossfix.integrations import verl as lossfix
+    from megatron_lossfix.integrations.verl import adapter as lossfix
 
     tiny_gpt.init_layout(layout)
     pipeline: dict[str, Any] = {}

@@ -11,7 +11,7 @@ go through the same reducer.
 This module swaps that normalization for the plugin's without editing slime's files. Its one
 switch is slime's own hook flag::
 
-    --custom-megatron-init-path megatron_lossfix.integrations.slime.enable
+    --custom-megatron-init-path megatron_lossfix.integrations.slime.adapter.enable
 
 :func:`enable` makes slime's ``train_one_step`` take its schedule from
 :class:`LossFixForwardBackward` (slime looks ``get_forward_backward_func`` up on its ``model``
@@ -414,5 +414,5 @@ def enable_mask_in_loss(args: Any) -> LossFixForwardBackward:
     """:func:`enable` with the plugin's ``--lossfix-mask-in-loss``: the tokens slime's loss
     drops (a TIS function's rejection masks, OPSM) leave the normalization and every term of
     the loss, exactly under every layout (``--custom-megatron-init-path
-    megatron_lossfix.integrations.slime.enable_mask_in_loss``)."""
+    megatron_lossfix.integrations.slime.adapter.enable_mask_in_loss``)."""
     return enable(args, mask_in_loss=True)

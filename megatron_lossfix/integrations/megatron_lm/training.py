@@ -16,10 +16,10 @@ The patch itself stays a handful of lines; the code lives here:
   §2) and the indicator is 1 on exactly one micro-batch of one DP x CP rank, so the logged
   ``lm loss`` is L.
 - The loss stage's batches (masks to the device and to the tensor-parallel ranks, the
-  micro-batch ``forward_step`` read) are :mod:`.megatron_lm_batches`; ``--lossfix-metrics-out``'s
-  record of each step is :mod:`.megatron_lm_metrics` (both re-exported here).
-- :func:`enable_cpu_megatron_lm` (from :mod:`.cpu_megatron_lm`, re-exported for the patch) runs
-  Megatron-LM's training loop on a machine without CUDA (gloo).
+  micro-batch ``forward_step`` read) are :mod:`.batches`; ``--lossfix-metrics-out``'s record of
+  each step is :mod:`.metrics` (both re-exported here).
+- :func:`enable_cpu_megatron_lm` (from :mod:`.cpu`, re-exported for the patch) runs Megatron-LM's
+  training loop on a machine without CUDA (gloo).
 
 With ``--loss-reduction`` absent nothing here touches the training step; with ``off`` the step
 is stock Megatron (the metrics record holds the loss Megatron-LM logs, no counts).
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.args import add_lossfix_args, from_args
-from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
-from megatron_lossfix.integrations.megatron_lm_batches import (
+from megatron_lossfix.integrations.megatron_lm.batches import (
     MasksToDevice,
     ReceivedMasks,
     Recording,
 )
-from megatron_lossfix.integrations.megatron_lm_metrics import (
+from megatron_lossfix.integrations.megatron_lm.cpu import enable_cpu_megatron_lm
+from megatron_lossfix.integrations.megatron_lm.metrics import (
     LOSS_KEY,
     record_numbers,
     record_train_steps,
@@ -316,7 +316,7 @@ def wrap_forward_backward_func(forward_backward_func: Callable, args: argparse.N
         if rl_step is None:
             raise TypeError(
                 "megatron_lossfix: --perform-rl-step, but train_rl.py does not import "
-                "megatron_lossfix.integrations.megatron_lm_rl; apply our patch to this "
+                "megatron_lossfix.integrations.megatron_lm.rl; apply our patch to this "
                 "Megatron-LM checkout (python -m megatron_lossfix.patches apply PATH)"
             )
         return rl_step(forward_backward_func, args)

@@ -12,10 +12,10 @@ source: docs/slime.md):
   step_global_batch_size x (DP x CP)`` by default, ``x CP`` with ``num_tokens =
   sum(clamp_min(loss_mask.sum(), 1))`` under ``--calculate-per-token-loss``.
 
-The modules beside this one: ``slime_batch`` (the step's data and slime's settings: modes,
-``ppo``, ``tis``, ``opsm``, ``gspo``), ``slime_ranks`` (what each rank runs: slime's
-``forward_step`` restated, the schedule slime looks up, the switch), ``slime_objective`` (the
-exact objective of each setting, on one rank).
+The modules beside this one: ``batch`` (the step's data and slime's settings: modes, ``ppo``,
+``tis``, ``opsm``, ``gspo``), ``ranks`` (what each rank runs: slime's ``forward_step`` restated,
+the schedule slime looks up, the switch), ``objective`` (the exact objective of each setting, on
+one rank).
 
 Rows per mode and setting: ``slime`` (as released) against the exact objective of its setting
 (the plugin's weights of the loss masks, tokens the loss drops zeroed; for the default setting
@@ -40,7 +40,7 @@ from typing import IO, Any
 from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
 from megatron_lossfix.audit.oracle import relative_error
 from megatron_lossfix.audit.report import AuditReport, Progress
-from megatron_lossfix.audit.stacks.slime_batch import (
+from megatron_lossfix.audit.stacks.slime.batch import (
     MASKED_SAMPLES,
     MODES,
     SETTINGS,
@@ -49,12 +49,12 @@ from megatron_lossfix.audit.stacks.slime_batch import (
     slime_rollout,
     stack_case,
 )
-from megatron_lossfix.audit.stacks.slime_objective import (
+from megatron_lossfix.audit.stacks.slime.objective import (
     slime_reference,
     slime_references,
     slime_share,
 )
-from megatron_lossfix.audit.stacks.slime_ranks import (
+from megatron_lossfix.audit.stacks.slime.ranks import (
     EXCLUDED_ROW,
     ROWS,
     SLIME_ROW,

@@ -4,8 +4,8 @@ slime's ``forward_step`` of ``train_one_step`` is restated here (``get_batch``, 
 ``partial(loss_function, ...)``; ``train_one_step`` itself also runs slime's optimizer step and
 releases the gradients); the schedule is the one ``train_one_step`` looks up on slime's
 ``model`` module: Megatron-Core's, or the adapter's once its switch ran
-(:func:`megatron_lossfix.integrations.slime.enable`, or ``enable_mask_in_loss``). Where no GPU
-is visible slime gets a CPU device through its own accelerator registry.
+(:func:`megatron_lossfix.integrations.slime.adapter.enable`, or ``enable_mask_in_loss``).
+Where no GPU is visible slime gets a CPU device through its own accelerator registry.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan
-from megatron_lossfix.audit.stacks import slime_batch as sb
+from megatron_lossfix.audit.stacks.slime import batch as sb
 
 __all__ = ["ROWS", "SLIME_ROW", "EXCLUDED_ROW", "runs", "slime_layout_grads", "use_cpu_accelerator"]
 
@@ -122,7 +122,7 @@ def _forward_step(args: Namespace, num_microbatches: int, gbs: int, it: Any, mod
 
 def _switch(row: str, args: Namespace) -> None:
     """The documented switch of ``row`` (none for slime as released)."""
-    from megatron_lossfix.integrations import slime as adapter
+    from megatron_lossfix.integrations.slime import adapter
 
     if row == ADAPTED_ROW:
         adapter.enable(args)

@@ -7,8 +7,8 @@
 
 The patch makes Megatron-LM's ``pretrain_gpt.py`` and ``train_rl.py`` (its GRPO loop) accept
 ``--loss-reduction`` (and our other flags); with the flags absent nothing changes. Its code lives
-in :mod:`megatron_lossfix.integrations.megatron_lm` and ``megatron_lm_rl``; the diffs are a few
-lines per script.
+in :mod:`megatron_lossfix.integrations.megatron_lm.training` and ``.rl``; the diffs are a
+few lines per script.
 
 The diffs are the repository's top-level ``patches/*.patch`` (the single source: an editable
 install reads them there, a wheel installs them to ``<prefix>/share/megatron_lossfix/patches``,
@@ -91,9 +91,9 @@ def patches_dir() -> Path:
     candidates = []
     if os.environ.get(_ENV_DIR):
         candidates.append(Path(os.environ[_ENV_DIR]))
-    # Source checkout / editable install: <repo>/megatron_lossfix/integrations/patches.py ->
-    # <repo>/patches.
-    candidates.append(Path(__file__).resolve().parents[2] / "patches")
+    # Source checkout / editable install: <repo>/megatron_lossfix/integrations/megatron_lm/training/
+    # patches.py -> <repo>/patches.
+    candidates.append(Path(__file__).resolve().parents[3] / "patches")
     # Wheel: setup.py's data_files.
     candidates.append(Path(sys.prefix) / "share" / "megatron_lossfix" / "patches")
     for directory in candidates:

@@ -7,13 +7,13 @@ else in one line before touching the environment.
 Why not ``pip install megatron-bridge==0.6.2``: on a machine without CUDA it fails, because a
 dependency (fast-hadamard-transform) builds CUDA code; so do flashinfer, transformer-engine and
 others Bridge lists but its GPT training loop never imports. So: Bridge without its
-dependencies, then what ``pretrain()`` imports (``bridge-requirements.txt`` beside this file),
+dependencies, then what ``pretrain()`` imports (``requirements.txt`` beside this file),
 with torch and megatron-core held at the environment's own versions. Never
 ``pip install megatron``: an unrelated PyPI project that breaks the ``megatron`` namespace.
 
 pip would list, after each step, every package Bridge names that is deliberately left out; the
 steps run with ``--no-warn-conflicts`` and the command says once, in one line, what it left out.
-The environment keeps a plain ``import megatron.core`` working (see ``bridge-requirements.txt``
+The environment keeps a plain ``import megatron.core`` working (see ``requirements.txt``
 on nvidia-resiliency-ext), so the plugin's examples and audit still run in it.
 """
 
@@ -31,7 +31,7 @@ __all__ = ["BRIDGE", "REQUIREMENTS", "environment_problem", "main"]
 
 BRIDGE = "megatron-bridge==0.6.2"
 #: What Bridge's GPT training loop imports, installed beside it (one requirement a line).
-REQUIREMENTS = Path(__file__).with_name("bridge-requirements.txt")
+REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 PYTHON_MIN = (3, 12)
 CORE_LINE = "0.19"
 #: The one line that makes an environment Bridge can go into (docs/bridge.md's).
@@ -40,7 +40,7 @@ MAKE_ENV = (
     "megatron-core==0.19.2 -e . && .venv312/bin/python -m megatron_lossfix install-bridge"
 )
 _SMOKE = """
-from megatron_lossfix.integrations.cpu_megatron_bridge import enable_cpu_bridge
+from megatron_lossfix.integrations.bridge.cpu import enable_cpu_bridge
 enable_cpu_bridge()
 from megatron.bridge.training.pretrain import pretrain
 import megatron.bridge

@@ -1,6 +1,6 @@
 """``python -m megatron_lossfix rl-replay compare``: stock Megatron-LM against the plugin, 1 rank
 against 2 data-parallel ranks, through the RL replay of ``train_rl.py``
-(:mod:`~megatron_lossfix.integrations.megatron_lm_rl_replay`) on fixed rollouts.
+(:mod:`~megatron_lossfix.integrations.megatron_lm.rl_replay`) on fixed rollouts.
 
 :func:`compare` runs one launch per layout, two collections at learning rate 0 (stock, then the
 plugin's mode) of the same rollouts, and prints what each optimizer step trained and the
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_lossfix.integrations.megatron_lm_rl_plans import (
+from megatron_lossfix.integrations.megatron_lm.patches import PatchError, check_checkout
+from megatron_lossfix.integrations.megatron_lm.rl_plans import (
     MODULE,
     PLAN_ENV,
     SETS,
@@ -31,8 +32,7 @@ from megatron_lossfix.integrations.megatron_lm_rl_plans import (
     rollout_sets,
     write_plan,
 )
-from megatron_lossfix.integrations.megatron_lm_rl_records import read_records
-from megatron_lossfix.integrations.patches import PatchError, check_checkout
+from megatron_lossfix.integrations.megatron_lm.rl_records import read_records
 
 __all__ = ["REL", "compare", "main"]
 
@@ -49,7 +49,7 @@ def _free_port() -> str:
 def _rank_env(tree: Path, plan: Path, rank: int, nproc: int, port: str) -> dict[str, str]:
     """What ``torchrun --standalone`` gives a rank, with the checkout first on the path."""
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])  # this package, installed or not
+    package_root = str(Path(__file__).resolve().parents[3])  # this package, installed or not
     paths = [str(tree), package_root, env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # Megatron-LM compiles its dataset helpers with `make`, which calls python3: this one.

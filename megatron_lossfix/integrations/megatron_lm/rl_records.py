@@ -1,7 +1,7 @@
-"""What the RL replay (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_replay`) records of
+"""What the RL replay (:mod:`~megatron_lossfix.integrations.megatron_lm.rl_replay`) records of
 each step, and reading it back.
 
-With a plan's ``out`` (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_plans`), the last
+With a plan's ``out`` (:mod:`~megatron_lossfix.integrations.megatron_lm.rl_plans`), the last
 rank appends one JSON line per step: ``iteration``, ``loss_reduction``, ``lm_loss`` (what
 ``train_step`` reduced for the log), ``grad_norm``, ``num_microbatches``, ``num_sequences`` and
 ``num_tokens`` (the rows with a loss token and the loss tokens the step read, over the
@@ -98,7 +98,9 @@ class _Counting:
 def _counted(forward_backward_func: Any, counting: list) -> Any:
     """``forward_backward_func`` reading its data through a :class:`_Counting` (the same
     GRPO-group record as the iterator it wraps)."""
-    from megatron_lossfix.integrations import megatron_lm_rl_groups
+    from megatron_lossfix.integrations.megatron_lm import (
+        rl_groups as megatron_lm_rl_groups,
+    )
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         source = kwargs.get("data_iterator")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_lossfix.audit.oracle import OracleCase
-from megatron_lossfix.audit.stacks import slime_batch as sb
+from megatron_lossfix.audit.stacks.slime import batch as sb
 
 __all__ = ["slime_reference", "slime_references", "slime_share"]
 

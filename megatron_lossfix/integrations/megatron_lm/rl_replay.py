@@ -11,13 +11,13 @@ tokenizer (pad and EOD ids, as Megatron-LM's own RL unit tests do), and runs the
 
 Its parts, one module each:
 
-- :mod:`~megatron_lossfix.integrations.megatron_lm_rl_plans`: the plan (a JSON file named by
+- :mod:`~megatron_lossfix.integrations.megatron_lm.rl_plans`: the plan (a JSON file named by
   ``LOSSFIX_RL_PLAN``: the rollouts of each iteration and the mode of its step), the rollout
   sets and the ``train_rl.py`` flags of the runs;
 - this module: the rank side, which installs the plan's rollouts, tokenizer and modes;
-- :mod:`~megatron_lossfix.integrations.megatron_lm_rl_records`: what each step records (a JSON
+- :mod:`~megatron_lossfix.integrations.megatron_lm.rl_records`: what each step records (a JSON
   line, the gradient and parameters, the plugin's weights) and :func:`read_records`;
-- :mod:`~megatron_lossfix.integrations.megatron_lm_rl_compare`: :func:`compare`.
+- :mod:`~megatron_lossfix.integrations.megatron_lm.rl_compare`: :func:`compare`.
 
 The names of those modules are importable from here too.
 
@@ -43,9 +43,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_lossfix.integrations import megatron_lm_rl_compare
-from megatron_lossfix.integrations.megatron_lm_rl_compare import compare
-from megatron_lossfix.integrations.megatron_lm_rl_plans import (
+from megatron_lossfix.integrations.megatron_lm import rl_compare as megatron_lm_rl_compare
+from megatron_lossfix.integrations.megatron_lm.rl_compare import compare
+from megatron_lossfix.integrations.megatron_lm.rl_plans import (
     MODULE,
     PLAN_ENV,
     SEQ_LENGTH,
@@ -56,7 +56,7 @@ from megatron_lossfix.integrations.megatron_lm_rl_plans import (
     rollout_sets,
     write_plan,
 )
-from megatron_lossfix.integrations.megatron_lm_rl_records import read_records, recording_train_step
+from megatron_lossfix.integrations.megatron_lm.rl_records import read_records, recording_train_step
 
 __all__ = [
     "MODULE",
@@ -123,7 +123,7 @@ def _install(plan: dict) -> None:
     from megatron.rl import rl_utils, sequence_packing_utils
     from megatron.training import get_args, training
 
-    from megatron_lossfix.integrations import megatron_lm_rl
+    from megatron_lossfix.integrations.megatron_lm import rl as megatron_lm_rl
 
     try:
         from megatron.rl.agent.api import TokenRollout

@@ -35,7 +35,7 @@ def record_numbers(metrics: dict, logged: float | None) -> dict:
 def record_train_steps(wrapper: Any) -> None:
     """Make ``training.train_step`` append one JSON line per step to ``--lossfix-metrics-out``
     (``wrapper.metrics_out``) from the metrics of ``wrapper``, the step's
-    :class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix`.
+    :class:`~megatron_lossfix.integrations.megatron_lm.training.MegatronLMLossFix`.
 
     The log prints the grad norm with 3 decimals; comparisons across layouts need all of them.
     ``train()`` looks ``train_step`` up at every iteration, so wrapping the module attribute

@@ -7,7 +7,7 @@ turned into 1. Stock, the step's gradient therefore depends on the layout: Megat
 rows to a multiple of DP x micro-batch size and the bins to the same count on every DP rank, and
 every padding row or empty bin adds a micro-batch (default path) or a phantom token (per-token
 path). With ``--loss-reduction MODE`` the patched ``train_rl.py`` runs the step through
-:class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix`, as the patched
+:class:`~megatron_lossfix.integrations.megatron_lm.training.MegatronLMLossFix`, as the patched
 ``pretrain_gpt.py`` does:
 
 - :func:`rl_micro_batch` turns each micro-batch ``train_rl.forward_step`` would read into what
@@ -38,8 +38,10 @@ from typing import Any
 import torch
 
 from megatron_lossfix.args import from_args
-from megatron_lossfix.integrations import megatron_lm, megatron_lm_rl_groups, megatron_lm_rl_steps
-from megatron_lossfix.integrations.cpu_megatron_lm import enable_cpu_megatron_lm
+from megatron_lossfix.integrations.megatron_lm import rl_groups as megatron_lm_rl_groups
+from megatron_lossfix.integrations.megatron_lm import rl_steps as megatron_lm_rl_steps
+from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
+from megatron_lossfix.integrations.megatron_lm.cpu import enable_cpu_megatron_lm
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups
@@ -82,7 +84,7 @@ def check_args(args: argparse.Namespace) -> LossFixConfig | None:
     replay a captured loss function), an explicit ``--lossfix-self-check`` (rollout rows and
     packed bins cannot be re-split; the default check is skipped here), a mode outside
     :data:`RL_MODES`, and what the ``pretrain_gpt.py`` integration refuses
-    (:func:`~megatron_lossfix.integrations.megatron_lm.incompatible_settings`).
+    (:func:`~megatron_lossfix.integrations.megatron_lm.training.incompatible_settings`).
     """
     rl_utils = sys.modules.get("megatron.rl.rl_utils")  # train_rl.py imported it
     if rl_utils is not None:
@@ -173,7 +175,7 @@ def rl_micro_batch(
     the left like the mask (the tokens after the last trajectory form one more, empty, segment).
 
     ``groups``: ``(group ids key, group count key, record)`` adds each sequence's GRPO group
-    (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_groups`) for ``group_mean``.
+    (:mod:`~megatron_lossfix.integrations.megatron_lm.rl_groups`) for ``group_mean``.
     """
     context = _packing_context()
     if context is not None and len(item) == 1:  # a packed bin: (bin_index,)
@@ -221,9 +223,9 @@ def _rl_micro_batches(source: Any, config: LossFixConfig) -> Iterator[dict]:
 
 
 class MegatronLMRLLossFix(megatron_lm.MegatronLMLossFix):
-    """:class:`~megatron_lossfix.integrations.megatron_lm.MegatronLMLossFix` for the step of
-    ``train_rl.py``: its micro-batches (:func:`rl_micro_batch`), its ``forward_step`` reading
-    them back, and its ``loss_func``'s RL reports."""
+    """:class:`~megatron_lossfix.integrations.megatron_lm.training.MegatronLMLossFix` for the
+    step of ``train_rl.py``: its micro-batches (:func:`rl_micro_batch`), its ``forward_step``
+    reading them back, and its ``loss_func``'s RL reports."""
 
     def _loss_chunk_iterator(self, source: Any, tp_group: Any, tp_rank: int) -> Any:
         """The RL micro-batches as the plugin reads them (:func:`rl_micro_batch`); every

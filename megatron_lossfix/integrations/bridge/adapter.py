@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.integrations.megatron_lm import MegatronLMLossFix
-from megatron_lossfix.integrations.megatron_lm_batches import MasksToDevice
-from megatron_lossfix.integrations.megatron_lm_metrics import LOSS_KEY, record_numbers
+from megatron_lossfix.integrations.megatron_lm.batches import MasksToDevice
+from megatron_lossfix.integrations.megatron_lm.metrics import LOSS_KEY, record_numbers
+from megatron_lossfix.integrations.megatron_lm.training import MegatronLMLossFix
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.process_groups import StepGroups
 

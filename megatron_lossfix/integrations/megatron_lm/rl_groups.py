@@ -12,7 +12,7 @@ rows concatenated in rank order, ``packing_info.bin_seq_indices``).
 :func:`install` wraps ``prepare_data_for_update`` so that it records, for the iterator it
 returns, each row's group (:class:`RowGroups`); the iterator and its items are unchanged. Under
 ``--loss-reduction`` from core_v0.19 the patched function lays the rows out step by step
-(:mod:`~megatron_lossfix.integrations.megatron_lm_rl_steps`); the record then follows that
+(:mod:`~megatron_lossfix.integrations.megatron_lm.rl_steps`); the record then follows that
 layout (:func:`planned_groups`), and with packing the wrapper sets the step's micro-batch count
 to the bins of one step.
 :func:`micro_batch_groups` reads a micro-batch's group ids from that record.
@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_lossfix.integrations import megatron_lm_rl_steps
+from megatron_lossfix.integrations.megatron_lm import rl_steps as megatron_lm_rl_steps
 
 __all__ = [
     "RowGroups",
@@ -195,7 +195,7 @@ def planned_groups(
     data_parallel_rank: int,
     micro_batch_size: int,
 ) -> RowGroups:
-    """Each row's group in the layout of :mod:`~megatron_lossfix.integrations.megatron_lm_rl_steps`
+    """Each row's group in the layout of :mod:`~megatron_lossfix.integrations.megatron_lm.rl_steps`
     (``--loss-reduction`` from core_v0.19.0 on)."""
     of_rollout = [g for g, group in enumerate(grouped) for _ in group]
     rows = [0 if o < 0 else of_rollout[plan.row_rollouts[o]] for o in plan.order]

@@ -11,9 +11,9 @@ coefficients above zero). Two rows per mode:
   with the mini-batch's ``prompt_boundaries``), then SkyRL's ``loss_func`` with its
   ``num_microbatches x dp`` factor and per-micro-batch KL/entropy means, and the gradient sync
   SkyRL defers to its optimizer step (``run_pending_grad_sync``);
-- ``skyrl+lossfix``: the same step through :class:`~megatron_lossfix.integrations.skyrl.
+- ``skyrl+lossfix``: the same step through :class:`~megatron_lossfix.integrations.skyrl.adapter.
   LossFixModelWrapper` with raw advantages (and, for ``prompt_mean``, each row's prompt in the
-  micro-batches, as :func:`~megatron_lossfix.integrations.skyrl.group_ids_from_boundaries`
+  micro-batches, as :func:`~megatron_lossfix.integrations.skyrl.adapter.group_ids_from_boundaries`
   gives it).
 
 The mini-batch's prompts are consecutive blocks of
@@ -264,7 +264,7 @@ def _run_row(
         MegatronModelWrapper,
     )
 
-    from megatron_lossfix.integrations import skyrl as adapter
+    from megatron_lossfix.integrations.skyrl import adapter
 
     cfg = _trainer_config(mode, case, ps.get_context_parallel_world_size())
     dp_rank = ps.get_data_parallel_rank()
@@ -291,7 +291,7 @@ def _run_row(
             prompt_boundaries=boundaries if mode == "prompt_mean" else None,
         )
     else:
-        # The changes a SkyRL user makes (integrations/skyrl.py).
+        # The changes a SkyRL user makes (integrations/skyrl/adapter.py).
         advantages = adapter.raw_advantages(batch["advantages"], batch["loss_mask"])
         wrapper = adapter.LossFixModelWrapper.from_wrapper(wrapper)
         ids = adapter.group_ids_from_boundaries(boundaries, batch["sequences"].shape[0])

@@ -1,4 +1,4 @@
-"""The plans of the RL replay (:mod:`~megatron_lossfix.integrations.megatron_lm_rl_replay`):
+"""The plans of the RL replay (:mod:`~megatron_lossfix.integrations.megatron_lm.rl_replay`):
 the fixed rollouts it replays, the ``train_rl.py`` flags it runs with, and the plan file.
 
 A plan is a JSON file named by ``LOSSFIX_RL_PLAN`` (:data:`PLAN_ENV`)::
@@ -17,11 +17,11 @@ run with ``--grpo-iterations 1`` and ``--grpo-prompts-per-step`` x ``--grpo-grou
 ``--global-batch-size``, so that every iteration collects). With a ``loss_reduction`` key the
 step of that iteration runs with that mode (``null``: stock Megatron-LM) whatever the flags say:
 its forward-backward function is the one the patched ``training.py`` would build for it
-(:func:`~megatron_lossfix.integrations.megatron_lm_rl.wrap_forward_backward_func`), and its
+(:func:`~megatron_lossfix.integrations.megatron_lm.rl.wrap_forward_backward_func`), and its
 collection is checked as that mode's would be; so one launch measures stock Megatron-LM and
 every mode on the same model (with ``--lr 0`` the weights stay). Without the key the run's own
 flags decide. With ``out``, the last rank appends one JSON line per step
-(:mod:`~megatron_lossfix.integrations.megatron_lm_rl_records`).
+(:mod:`~megatron_lossfix.integrations.megatron_lm.rl_records`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_lossfix.integrations.megatron_lm_tiny_gpt import (
+from megatron_lossfix.integrations.megatron_lm.tiny_gpt import (
     VOCAB_SIZE,
     checkout_null_tokenizer_eod,
     tiny_gpt_flags,
@@ -53,7 +53,7 @@ __all__ = [
 #: The environment variable naming the plan file of a replay's ranks.
 PLAN_ENV = "LOSSFIX_RL_PLAN"
 #: The replay's module, as ``python -m`` and ``torchrun -m`` run it (a rank of a replay).
-MODULE = "megatron_lossfix.integrations.megatron_lm_rl_replay"
+MODULE = "megatron_lossfix.integrations.megatron_lm.rl_replay"
 #: The rollout sets of :func:`rollout_sets`.
 SETS = ("single", "multi", "prefix_chain", "packed", "steps")
 #: ``(--grpo-prompts-per-step, --grpo-group-size)`` of a set's collection: 2 x 2 (one step of

@@ -1,0 +1,2 @@
+"""``--stack skyrl``: ``stack`` runs skyrl's own Megatron loss path, as released and through
+:mod:`megatron_lossfix.integrations.skyrl.adapter`."""
