@@ -5,7 +5,7 @@ callable the patched ``loss_func`` calls (its values, its reports, no host sync)
 
 End to end, with ``MEGATRON_LM_ARCHIVES``: the real, patched ``train_rl.py`` of the installed
 release's tag (and of ``main`` on Python >= 3.12) trains on CPU with fixed rollouts (the
-package's replay, ``integrations.megatron_lm_rl_replay``): its real ``train() ->
+package's replay, ``integrations.megatron_lm.rl_replay``): its real ``train() ->
 get_grpo_data_iterator -> prepare_data_for_update -> train_step`` with
 ``train_rl.forward_step``/``loss_func``. One launch per layout and
 ``--calculate-per-token-loss`` setting runs every rollout set under stock Megatron-LM and each
@@ -43,12 +43,10 @@ from helpers.launch import slots
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
 from torch.overrides import TorchFunctionMode
 
-from megatron_lossfix.integrations import (
-    megatron_lm,
-    megatron_lm_rl,
-    megatron_lm_rl_groups,
-    megatron_lm_rl_steps,
-)
+from megatron_lossfix.integrations.megatron_lm import rl as megatron_lm_rl
+from megatron_lossfix.integrations.megatron_lm import rl_groups as megatron_lm_rl_groups
+from megatron_lossfix.integrations.megatron_lm import rl_steps as megatron_lm_rl_steps
+from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
 from megatron_lossfix.integrations.megatron_lm.training import add_args_provider
 from megatron_lossfix.runtime.config import LossFixConfig
 

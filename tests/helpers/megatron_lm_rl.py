@@ -2,7 +2,7 @@
 
 The replay itself (plans, rollout sets, the rank side that ``torchrun -m`` runs) is part of the
 package: :mod:`megatron_lossfix.integrations.megatron_lm.rl_replay` (and the modules of its
-parts, ``megatron_lm_rl_plans``, ``_records``, ``_compare``). This adds the tests' launch
+parts, ``rl_plans``, ``rl_records``, ``rl_compare``). This adds the tests' launch
 of it (:func:`rl_launch`), its ranks forked from the tree's zygote.
 """
 

@@ -2,7 +2,7 @@
 the tokenizer they name in a given checkout.
 
 One definition for every tiny run of a Megatron-LM checkout: the RL replay's ``train_rl.py``
-flags (:func:`~megatron_lossfix.integrations.megatron_lm_rl_plans.rl_args`) and the tests'
+flags (:func:`~megatron_lossfix.integrations.megatron_lm.rl_plans.rl_args`) and the tests'
 ``pretrain_gpt.py`` runs build on :func:`tiny_gpt_flags`.
 """
 
