@@ -263,7 +263,8 @@ class Launch:
     metrics_out: str | os.PathLike | None = None
     script: str | os.PathLike = "pretrain_gpt.py"
     """The script to run: a path in the checkout, an absolute path, or (``module``) a module
-    that runs one of the checkout's scripts (the package's ``integrations.megatron_lm.rl_replay``)."""
+    that runs one of the checkout's scripts (the package's
+    ``integrations.megatron_lm.rl_replay``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Added to :func:`megatron_lm_env`."""
     #: Launch with torchrun, as users do, rather than forked from the tree's zygote
