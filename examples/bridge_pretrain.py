@@ -147,8 +147,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--expert-model-parallel-size needs --num-experts")
     if args.num_experts is not None and args.num_experts % args.expert_model_parallel_size:
         parser.error("--num-experts must be a multiple of --expert-model-parallel-size")
-    if args.lossfix_self_check:
-        parser.error("--lossfix-self-check is not wired into Bridge's loop; drop it")
     try:  # the plugin's own refusals, before start-up like the others
         from_args(args)
     except ValueError as exc:
