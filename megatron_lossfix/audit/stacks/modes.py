@@ -1,12 +1,15 @@
 """A framework's loss aggregation modes, their counterparts among the plugin's modes, and the
-stack report's rows per mode."""
+stack report's rows per mode and per run."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["StackMode", "mode_rows"]
+from megatron_lossfix.audit.oracle import relative_error
+
+__all__ = ["StackMode", "mode_rows", "record_runs"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,3 +33,29 @@ def mode_rows(rows: Sequence[str], modes: Sequence[str]) -> dict[tuple[str, str]
     if len(modes) < 2:
         return {}
     return {(row, mode): f"{row}:{mode}" for row in rows for mode in modes}
+
+
+def record_runs(
+    report: Any,
+    tolerance: float,
+    layout: Any,
+    got: dict,
+    targets: dict,
+    *,
+    released: str,
+    own: str,
+    name: Callable[[str, str, str], str],
+) -> None:
+    """Record one layout's rows of a stack whose runs are ``(row, mode, setting)``: each run's
+    error against its target (``name`` gives its row), and the worst of each row over the runs.
+    The row ``own`` (the framework against its own one-rank result) compares the ``released``
+    row's gradient and has no worst row."""
+    worst: dict[str, float] = {}
+    for (row, mode, setting), want in targets.items():
+        have = got[(released if row == own else row, mode, setting)]
+        err = relative_error(have, want)
+        if row != own:
+            worst[row] = max(worst.get(row, 0.0), err)
+        report.add_result(name(row, mode, setting), layout, {"error": err}, tolerance)
+    for row, err in worst.items():
+        report.add_result(row, layout, {"error": err}, tolerance)

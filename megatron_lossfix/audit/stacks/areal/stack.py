@@ -28,8 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
-from megatron_lossfix.audit.oracle import relative_error
+from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.report import AuditReport, Progress
 from megatron_lossfix.audit.stacks.areal.batch import (
     DROPPING,
@@ -52,6 +51,7 @@ from megatron_lossfix.audit.stacks.areal.ranks import (
     areal_layout_grads,
     runs,
 )
+from megatron_lossfix.audit.stacks.modes import record_runs
 
 __all__ = [
     "ADAPTED_ROW",
@@ -115,19 +115,6 @@ def _targets(pool: Any, case: Any, plan: list, cache: dict) -> dict:
     return targets
 
 
-def _layout(report: AuditReport, opts: Any, lay: MatrixLayout, got: dict, targets: dict) -> None:
-    """Record one layout's rows: each run's, and the worst of each row over the runs."""
-    worst: dict[str, float] = {}
-    for (row, mode, setting), want in targets.items():
-        have = got[(AREAL_ROW if row == SELF_ROW else row, mode, setting)]
-        err = relative_error(have, want)
-        if row != SELF_ROW:
-            worst[row] = max(worst.get(row, 0.0), err)
-        report.add_result(row_name(row, mode, setting), lay, {"error": err}, opts.tolerance)
-    for row, err in worst.items():
-        report.add_result(row, lay, {"error": err}, opts.tolerance)
-
-
 def run_stack(
     opts: Any,
     options: dict[str, Any],
@@ -168,7 +155,17 @@ def run_stack(
                 worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches,
                 ROWS, settings,
             )[0]  # fmt: skip
-            _layout(report, opts, lay, got, _targets(pool, case, plan, cache))
+            targets = _targets(pool, case, plan, cache)
+            record_runs(
+                report,
+                opts.tolerance,
+                lay,
+                got,
+                targets,
+                released=AREAL_ROW,
+                own=SELF_ROW,
+                name=row_name,
+            )
         except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
             report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
             bar.advance(f"{lay.name} FAILED")
