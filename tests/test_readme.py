@@ -61,6 +61,11 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "no --train-iters to run briefly",
     ),
     (
+        "examples/step_cost.py",
+        "a benchmark: where a step's time goes, by phase, over timing rounds whose figures depend "
+        "on the machine; it takes no --train-iters to run briefly",
+    ),
+    (
         ".ci-venv/bin/nox",
         "the test command itself: CI runs it verbatim (test_ci_runs_the_readme_test_command)",
     ),
