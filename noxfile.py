@@ -11,8 +11,9 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
   depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``_layer``) and each stack's (verl,
-  SkyRL, slime: ``STACK_PAGES``), each in the fresh virtualenv its page's install line makes,
-  run as the page prints it (``_stack_ahead``; slime's from the source ``SLIME_SOURCE`` names,
+  SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
+  (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
+  page prints it (``_stack_ahead``; slime's from the source ``SLIME_SOURCE`` names,
   which ``.ci/run`` sets: slime is not on the package index, and without it its tests skip).
 
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
@@ -80,13 +81,11 @@ RELEASE_TESTS = (
     "tests/test_megatron_lm_rl.py::test_train_rl_refuses_a_multi_turn_step_before_core_v0_19",
     "tests/test_upstream_schedules.py",
 )
-#: What Megatron-LM's training scripts and its schedule tests import beyond megatron-core, with
-#: what ``train_rl.py`` (``megatron/rl``, ``megatron/inference``) imports besides; triton comes
-#: with torch's CUDA build but not with the CPU wheel, and at core_v0.16.1 ``train_rl.py``'s chat
-#: templates import transformers (``_install`` adds both on 3.11).
-MEGATRON_LM_DEPS = ("six", "regex", "pyyaml", "pydantic", "pybind11", "psutil", "einops",
-                    "pytest-mock", "tensorboard", "wandb", "httpx", "fastapi", "uvicorn",
-                    "openai", "tqdm")  # fmt: skip
+#: What Megatron-Core's own schedule tests import beyond pytest (tests/test_upstream_schedules.py);
+#: what Megatron-LM's training scripts import is the ``[megatron-lm]`` extra of ``setup.py``.
+#: triton comes with torch's CUDA build but not with the CPU wheel, and at core_v0.16.1
+#: ``train_rl.py``'s chat templates import transformers (``_requirements`` adds both on 3.11).
+UPSTREAM_TEST_DEPS = ("pytest-mock",)
 #: pytest's options in every world: two workers, a file's tests on one, handed out in the
 #: order tests/conftest.py gives (whole programs first), the slowest tests listed, and a run in
 #: which every test skipped (a missing dependency) fails.
@@ -106,6 +105,14 @@ BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 #: Python. A page whose line names a variable that is not set (slime's ``SLIME_SOURCE``) is
 #: left out, saying so. A new stack is one more page here.
 STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md", "docs/areal.md")
+#: Pages besides the stacks' whose commands need an environment of their own: each has one
+#: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack
+#: page's, and there runs these tests with that virtualenv's Python (the suite leaves them out).
+PAGE_TESTS = {
+    "docs/megatron_lm_rl.md": (
+        "tests/test_megatron_lm_rl.py::test_doc_cpu_command_runs_as_printed",
+    ),
+}
 #: The pages' stack commands, run in each stack's virtualenv (another stack's skip there).
 STACK_COMMANDS_TESTS = ("tests/test_readme_stacks.py",)
 
@@ -139,14 +146,14 @@ _SITE = "import site; print(site.getsitepackages()[0])"
 
 
 def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
-    """What a world installs besides this project: what the project's ``[test]`` install would
-    bring (read from ``setup.py``), pinned, and what Megatron-LM's scripts import. The project
+    """What a world installs besides this project: what the project's ``[test]`` and
+    ``[megatron-lm]`` installs would bring (read from ``setup.py``), pinned. The project
     itself is installed by each session, not ahead: two editable builds at once (both worlds'
     installs start together) would share its egg-info."""
     extra = ("triton", "transformers") if python == "3.11" else ()
     core = f"megatron-core=={release or LATEST[python]}"
     needs = (*_setup_kwarg("install_requires"), *_extra("test"))
-    return TORCH, core, *needs, *MEGATRON_LM_DEPS, *extra
+    return TORCH, core, *needs, *_extra("megatron-lm"), *UPSTREAM_TEST_DEPS, *extra
 
 
 def _world(python: str) -> str:
@@ -244,10 +251,10 @@ def _build_ahead(session: nox.Session, python: str) -> None:
 
 
 def _stack_pages() -> list[tuple[str, str, str]]:
-    """``(page, stack, line)`` of each page of ``STACK_PAGES`` whose install line can run here:
-    one that names an unset variable (``"$SLIME_SOURCE"``) is left out."""
+    """``(page, stack, line)`` of each page of ``STACK_PAGES`` and ``PAGE_TESTS`` whose install
+    line can run here: one that names an unset variable (``"$SLIME_SOURCE"``) is left out."""
     out = []
-    for page in STACK_PAGES:
+    for page in (*STACK_PAGES, *PAGE_TESTS):
         stack, line = doc_pages.install_line(page)
         unset = [name for name in re.findall(r"\$\{?(\w+)", line) if not os.environ.get(name)]
         if unset:
@@ -288,13 +295,15 @@ def _stack_ahead(session: nox.Session, stack: str, line: str) -> None:
            ("bash", "-c", line), (*pip, *tools))  # fmt: skip
 
 
-def _stack_tests(session: nox.Session, stack: str) -> None:
-    """The stack's tests and the pages' stack commands, with the Python of the virtualenv its
-    page's line made, in that copy of the tree."""
+def _stack_tests(session: nox.Session, page: str, stack: str) -> None:
+    """The stack's tests and the pages' stack commands (or the page's ``PAGE_TESTS``), with the
+    Python of the virtualenv its page's line made, in that copy of the tree."""
     tree = _stack_tree(stack)
     python = os.path.join(tree, f".venv-{stack}", "bin", "python")
-    tests = [t for t in (f"tests/test_{stack}_stack.py", *STACK_COMMANDS_TESTS)
-             if os.path.isfile(os.path.join(tree, t))]  # fmt: skip
+    tests = PAGE_TESTS.get(page) or [
+        t for t in (f"tests/test_{stack}_stack.py", *STACK_COMMANDS_TESTS)
+        if os.path.isfile(os.path.join(tree, t))
+    ]  # fmt: skip
     with session.chdir(tree):
         session.run(python, "-m", "pytest", *PYTEST, *tests, external=True)
 
@@ -338,16 +347,18 @@ def tests_312(session: nox.Session) -> None:
     stack_tests = [f"tests/test_{stack}_stack.py" for stack in
                    (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
-    _pytest(session, "tests", *(f"--ignore={test}" for test in ignore))
+    elsewhere = [t for page, _, _ in stacks for t in PAGE_TESTS.get(page, ())]
+    _pytest(session, "tests", *(f"--ignore={test}" for test in ignore),
+            *(f"--deselect={test}" for test in elsewhere))  # fmt: skip
     if session.posargs:
         return
     _collect(session, "bridge-3.12")
     # Side by side: Bridge's tests are one file (one worker); the stacks' keep the other busy.
     _ahead(session, "bridge-tests", (bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS))
     try:
-        for _, stack, _ in stacks:
+        for page, stack, _ in stacks:
             _collect(session, f"page-{stack}")
-            _stack_tests(session, stack)
+            _stack_tests(session, page, stack)
     finally:
         _collect(session, "bridge-tests")
 
@@ -359,9 +370,9 @@ def stacks(session: nox.Session) -> None:
     pages = _stack_pages()
     for _, stack, line in pages:
         _stack_ahead(session, stack, line)
-    for _, stack, _ in pages:
+    for page, stack, _ in pages:
         _collect(session, f"page-{stack}")
-        _stack_tests(session, stack)
+        _stack_tests(session, page, stack)
 
 
 @nox.session(name="older-3.12", python="3.12", download_python="never", default=False)

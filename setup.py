@@ -44,6 +44,25 @@ setup(
             "ruff==0.17.6",
             "matplotlib>=3.8",
         ],
+        # What Megatron-LM's training scripts (pretrain_gpt.py, train_rl.py: megatron/training,
+        # megatron/rl, megatron/inference) import beyond megatron-core; at core_v0.16.1 its
+        # chat templates import transformers besides (docs/megatron_lm_rl.md).
+        "megatron-lm": [
+            "six",
+            "regex",
+            "pyyaml",
+            "pydantic",
+            "pybind11",
+            "psutil",
+            "einops",
+            "tensorboard",
+            "wandb",
+            "httpx",
+            "fastapi",
+            "uvicorn",
+            "openai",
+            "tqdm",
+        ],
         # Transformer Engine needs CUDA; it is used when present, never required.
         # (NVIDIA Apex is built from source; the PyPI package named `apex` is unrelated.)
         "te": ["transformer_engine[pytorch]"],

@@ -502,17 +502,50 @@ def _doc_cpu_command() -> str:
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
+#: The environment the page's install line makes, and that its commands run in.
+PAGE_VENV = ".venv-rl"
+
+
+@pytest.mark.unit
+def test_doc_cpu_block_makes_and_activates_its_environment() -> None:
+    """The page's CPU block opens with the one line that makes its environment (CI runs it as
+    printed: ``noxfile.py``'s ``PAGE_TESTS``) and activates it; every command after runs in it."""
+    from helpers import doc_pages
+
+    commands = doc_pages.block_commands("bash", _doc_cpu_command())
+    page, line = doc_pages.install_line("docs/megatron_lm_rl.md")
+    assert commands[0] == line and page == PAGE_VENV.removeprefix(".venv-"), commands[0]
+    assert '-e ".[megatron-lm]"' in line and "megatron-core==0.19.2" in line, line
+    assert commands[1] == f"source {PAGE_VENV}/bin/activate", commands[1]
+    assert not any(c.startswith(("pip ", "python3")) for c in commands[2:]), commands
+
+
+def _page_environment(root: Path, work: Path) -> None:
+    """``work/.venv-rl``: the virtualenv the page's install line made in ``root`` (CI runs the
+    line as printed, then this test with that virtualenv's Python), else a stand-in whose
+    ``activate`` puts this interpreter first on PATH (a checkout where the line was not run)."""
+    made = root / PAGE_VENV
+    if made.is_dir():
+        (work / PAGE_VENV).symlink_to(made)
+        return
+    bin_dir = work / PAGE_VENV / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "activate").write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
+
+
 @pytest.mark.e2e
 @needs_megatron_lm
 def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     """``docs/megatron_lm_rl.md``'s CPU commands, as printed, on a fresh (unpatched) checkout
-    of the suite's tag (core_v0.19.0 or main, which the page names): the patch applies,
-    ``compare`` prints stock against the plugin, 1 rank against DP2, and finds the plugin
-    exact, and ``train_rl.py --loss-reduction sequence_mean`` trains on 2 CPU ranks with the
-    mode's metrics: 5 sequences (rows), 49 loss tokens, the logged loss L. Everything lands in
-    ``out/``."""
+    of the suite's tag (core_v0.19.0 or main, which the page names), in the environment its
+    first line makes (which CI runs as printed; this test runs the lines after it): the patch
+    applies, ``compare`` prints stock against the plugin, 1 rank against DP2, and finds the
+    plugin exact, and ``train_rl.py --loss-reduction sequence_mean`` trains on 2 CPU ranks with
+    the mode's metrics: 5 sequences (rows), 49 loss tokens, the logged loss L. Everything lands
+    in ``out/``."""
     import os
 
+    from helpers import doc_pages
     from helpers.megatron_lm_run import reuse_installed_helpers, unpack_tag
 
     tree = unpack_tag(ARCHIVES, TAGS[0], tmp_path / "checkout")
@@ -523,9 +556,11 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     work.mkdir()
     for name in ("megatron_lossfix", "patches"):
         (work / name).symlink_to(ROOT / name)
-    script = _doc_cpu_command().replace("/path/to/Megatron-LM", str(tree))
-    env = dict(os.environ)  # the reader's environment: this interpreter's bin first on PATH
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    _page_environment(ROOT, work)
+    commands = doc_pages.block_commands("bash", _doc_cpu_command())
+    assert doc_pages.INSTALL_LINE.match(commands[0]), commands[0]
+    script = "\n".join(commands[1:]).replace("/path/to/Megatron-LM", str(tree))
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(work), env.get("PYTHONPATH", "")])
     with slots(2):
         proc = subprocess.run(["bash", "-c", f"set -e\n{script}"], cwd=work, env=env,
@@ -533,7 +568,8 @@ def test_doc_cpu_command_runs_as_printed(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
-    assert sorted(p.name for p in work.iterdir()) == ["megatron_lossfix", "out", "patches"]
+    made = sorted(p.name for p in work.iterdir())
+    assert made == [PAGE_VENV, "megatron_lossfix", "out", "patches"], made
     # compare's table: stock moves with DP2's padding row, the plugin does not.
     differences = output[output.index("relative difference, 1 rank against DP2:") :]
     rows = dict(re.findall(r"^(stock|plugin) +([0-9.e+-]+) ", differences, re.M))  # loss

@@ -92,9 +92,10 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ),
     (
         "python3.12 -m venv .venv-",
-        "a stack page's install line (Python 3.12, torch's CUDA build, the stack): CI runs it as "
-        "printed, in a fresh virtualenv of its own, and the stack's tests there (noxfile.py, "
-        "STACK_PAGES; tests/test_readme_stacks.py checks that every such page is listed)",
+        "a page's install line (Python 3.12, torch's CUDA build, the stack or Megatron-LM's "
+        "training dependencies): CI runs it as printed, in a fresh virtualenv of its own, and "
+        "the page's tests there (noxfile.py, STACK_PAGES and PAGE_TESTS; "
+        "tests/test_readme_stacks.py checks that every such page is listed)",
     ),
     (
         "megatron_lossfix audit --stack",

@@ -4,7 +4,8 @@ what CI runs, and the stack audits run as printed where the stack is installed.
 * unit: each stack's install line makes its own Python 3.12 virtualenv, ``.venv-<stack>``, from
   the ``[<stack>]`` extra of ``setup.py`` (no versions of its own: verl 0.9.1 and SkyRL 0.4.0 do
   not resolve together), every stack command runs in its stack's virtualenv, and CI runs every
-  such page's line as printed (``noxfile.py``'s ``STACK_PAGES``, read from the page through
+  such page's line as printed (``noxfile.py``'s ``STACK_PAGES``, and ``PAGE_TESTS`` for pages
+  besides the stacks' with an environment of their own, read from the page through
   ``helpers.doc_pages.install_line``, never retyped), in a fresh virtualenv of its own, where
   this file and ``tests/test_<stack>_stack.py`` then run. The lists of stacks in the README and
   the docs' index name every one.
@@ -32,13 +33,18 @@ from helpers import doc_pages
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _nox_stack_pages() -> tuple[str, ...]:
-    """``noxfile.py``'s ``STACK_PAGES``, read without importing nox."""
+def _nox_value(name: str) -> object:
+    """The value ``noxfile.py`` gives ``name``, read without importing nox."""
     tree = ast.parse(ROOT.joinpath("noxfile.py").read_text())
     return next(
         ast.literal_eval(node.value) for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "STACK_PAGES"
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name
     )  # fmt: skip
+
+
+def _nox_stack_pages() -> tuple[str, ...]:
+    """``noxfile.py``'s ``STACK_PAGES``."""
+    return _nox_value("STACK_PAGES")
 
 
 #: The stacks, as CI knows them: one page each.
@@ -90,17 +96,19 @@ def test_install_line_makes_its_own_312_env_from_the_extra(stack):
 
 @pytest.mark.unit
 def test_ci_runs_every_stack_pages_install_line_as_printed():
-    """Every docs page with a stack install line is in ``STACK_PAGES``; the noxfile reads each
+    """Every docs page with an install line is in ``STACK_PAGES`` or ``PAGE_TESTS`` (pages
+    besides the stacks' whose commands need an environment of their own); the noxfile reads each
     line from its page (``doc_pages.install_line``) and retypes none; a pinned stack's extra pins
     its release."""
     docs = sorted(
         f"docs/{page.name}" for page in ROOT.joinpath("docs").glob("*.md")
         if any(doc_pages.INSTALL_LINE.match(line) for line in page.read_text().splitlines())
     )  # fmt: skip
-    assert sorted(_nox_stack_pages()) == docs
+    pages = (*_nox_stack_pages(), *_nox_value("PAGE_TESTS"))
+    assert sorted(pages) == docs
     nox = ROOT.joinpath("noxfile.py").read_text()
     assert "doc_pages.install_line(page)" in nox
-    for page in _nox_stack_pages():
+    for page in pages:
         stack, line = doc_pages.install_line(page)
         assert line not in nox and f".[{stack}]" not in nox, f"noxfile.py retypes {page}'s line"
     for name, requirements in _extras().items():
