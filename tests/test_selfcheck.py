@@ -724,3 +724,34 @@ def test_a_step_the_halves_cannot_check_says_what_the_check_did(dist_pool):
         assert res["plan"] is None and res["error"] is None and res["spread"] <= 1e-12, res
     with pytest.raises(ValueError, match=r"self-check: no rank can move a row .* multi-token"):
         dist_pool.run(_check_on_rank, 2, Layout(), 12, **mtp)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stack", ["slime", "areal"])
+def test_an_adapter_that_writes_the_loss_says_once_that_the_check_stays_out(
+    stack, monkeypatch, capsys
+):
+    """slime's and AReaL's adapters write the loss themselves: their default configuration
+    leaves the first-step check out and says so once per process, in one line (design §9);
+    their switch turns it on, silently. Neither stack need be installed for their configs."""
+    from megatron_lossfix.integrations.areal import adapter as areal
+    from megatron_lossfix.integrations.slime import adapter as slime
+    from megatron_lossfix.step import selfcheck
+
+    module = {"slime": slime, "areal": areal}[stack]
+    args = argparse.Namespace(calculate_per_token_loss=True)
+
+    def config() -> LossFixConfig:
+        return slime.lossfix_config_for(args) if stack == "slime" else areal.lossfix_config()
+
+    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
+    monkeypatch.delenv(module.SELF_CHECK_ENV, raising=False)
+    assert config().self_check is False and config().self_check is False
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("megatron_lossfix self-check: not run in "), lines
+    assert f"{module.SELF_CHECK_ENV}=1 runs it" in lines[0], lines
+    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
+    monkeypatch.setenv(module.SELF_CHECK_ENV, "1")
+    assert config().self_check is True
+    assert capsys.readouterr().out == ""

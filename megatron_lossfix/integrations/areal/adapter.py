@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import kept_weights
 from megatron_lossfix.step.schedule import LossFixSchedule
+from megatron_lossfix.step.selfcheck import left_out
 
 __all__ = [
     "AREAL_MODE",
@@ -74,6 +75,11 @@ _ORIGINAL: dict[str, Any] = {}
 def lossfix_config(*, mask_in_loss: bool = False) -> LossFixConfig:
     """The plugin configuration of AReaL's step: ``token_mean``; ``mask_in_loss``: tokens the
     loss drops leave the count."""
+    if os.environ.get(SELF_CHECK_ENV) != "1":
+        left_out(
+            "AReaL's adapter",
+            f"the adapter writes the loss from AReaL's loss function; {SELF_CHECK_ENV}=1 runs it",
+        )
     return LossFixConfig(
         reduction=AREAL_MODE,
         self_check=os.environ.get(SELF_CHECK_ENV) == "1",
