@@ -48,7 +48,13 @@ from megatron_lossfix.audit.options import (
 from megatron_lossfix.audit.oracle import OracleCase, layout_grads
 from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE
 from megatron_lossfix.audit.pool import DistPool
-from megatron_lossfix.audit.report import AuditReport, Progress, format_table, plot_report
+from megatron_lossfix.audit.report import (
+    AuditReport,
+    Progress,
+    each_layout,
+    format_table,
+    plot_report,
+)
 from megatron_lossfix.audit.stacks import load_stack
 
 __all__ = [
@@ -98,10 +104,16 @@ def run_audit(
         pool = DistPool(max_ranks=world, timeout_s=opts.timeout_s)
     elif pool.max_ranks < world:
         raise ValueError(f"the pool has {pool.max_ranks} ranks; the layouts need {world}")
+
+    def measure(lay: AuditLayout, case: OracleCase) -> None:
+        checks = check_layout(pool, case, lay.parallel(), lay.world_size, lay.num_microbatches,
+                              opts.rows, refs=refs, worker=worker)  # fmt: skip
+        for mode in opts.rows:
+            report.add_result(mode, lay, checks[mode], opts.tolerance)
+
     try:
         refs = compute_references(pool, jobs, on_job=bar.reference)
-        for lay, case, _ in placements:
-            _run_one(pool, lay, case, opts, refs, report, bar, worker)
+        each_layout(report, bar, [(lay, case) for lay, case, _ in placements], measure)
     finally:
         if own_pool:
             pool.close()
@@ -124,38 +136,6 @@ def _run_stack(
     if pool.max_ranks < world:
         raise ValueError(f"the pool has {pool.max_ranks} ranks; the layouts need {world}")
     return run(pool=pool)
-
-
-def _run_one(
-    pool: Any,
-    lay: AuditLayout,
-    case: OracleCase,
-    opts: AuditOptions,
-    refs: dict[tuple, dict[str, Any]],
-    report: AuditReport,
-    bar: Progress,
-    worker: Callable[..., Any],
-) -> None:
-    """One layout: its rows in ``report``, or why it did not run."""
-    bar.show(lay.name)
-    try:
-        checks = check_layout(
-            pool,
-            case,
-            lay.parallel(),
-            lay.world_size,
-            lay.num_microbatches,
-            opts.rows,
-            refs=refs,
-            worker=worker,
-        )
-    except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-        report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-        bar.advance(f"{lay.name} FAILED")
-        return
-    for mode in opts.rows:
-        report.add_result(mode, lay, checks[mode], opts.tolerance)
-    bar.advance(lay.name)
 
 
 def _require_stack(name: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -23,7 +23,7 @@ from megatron_lossfix.audit.oracle_case import COUNTED_BEFORE
 if TYPE_CHECKING:
     from megatron_lossfix.audit.matrix import MatrixLayout, ReferenceJob
 
-__all__ = ["AuditReport", "Progress", "format_table", "plot_report"]
+__all__ = ["AuditReport", "Progress", "each_layout", "format_table", "plot_report"]
 
 
 @dataclass
@@ -180,6 +180,25 @@ class Progress:
         line = f"\raudit [{bar}] {self.done}/{self.total} {elapsed:5.0f} s  {text}"
         self.stream.write(f"{line:<100.100}")
         self.stream.flush()
+
+
+def each_layout(
+    report: AuditReport, bar: Progress, layouts: Sequence[tuple[Any, ...]], measure: Callable
+) -> None:
+    """``measure(*item)`` for each item of ``layouts`` (a layout, then what else its run
+    takes), shown on ``bar``: it runs the layout on the pool and records its rows in
+    ``report``. A layout that fails is recorded in ``report.layout_errors`` (which fails the
+    audit, every row of it), and the next one goes on."""
+    for item in layouts:
+        name = item[0].name
+        bar.show(name)
+        try:
+            measure(*item)
+        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
+            report.layout_errors[name] = f"{type(exc).__name__}: {exc}"
+            bar.advance(f"{name} FAILED")
+            continue
+        bar.advance(name)
 
 
 def _plot_floor(errors: dict[str, dict[str, float | None]]) -> float:

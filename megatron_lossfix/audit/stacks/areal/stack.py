@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from megatron_lossfix.audit.matrix import parse_layout
-from megatron_lossfix.audit.report import AuditReport, Progress
+from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
+from megatron_lossfix.audit.report import AuditReport, Progress, each_layout
 from megatron_lossfix.audit.stacks.areal.batch import (
     DROPPING,
     MASKED_SAMPLES,
@@ -147,29 +147,17 @@ def run_stack(
     )
     bar = Progress(len(opts.layouts), progress)
     cache: dict[str, dict] = {}
-    for lay in opts.layouts:
-        bar.show(lay.name)
+
+    def measure(lay: MatrixLayout) -> None:
         case = stack_case(opts, lay)
-        try:
-            got = pool.run(
-                worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches,
-                ROWS, settings,
-            )[0]  # fmt: skip
-            targets = _targets(pool, case, plan, cache)
-            record_runs(
-                report,
-                opts.tolerance,
-                lay,
-                got,
-                targets,
-                released=AREAL_ROW,
-                own=SELF_ROW,
-                name=row_name,
-            )
-        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-            report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-            bar.advance(f"{lay.name} FAILED")
-            continue
-        bar.advance(lay.name)
+        got = pool.run(
+            worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches,
+            ROWS, settings,
+        )[0]  # fmt: skip
+        targets = _targets(pool, case, plan, cache)
+        record_runs(report, opts.tolerance, lay, got, targets, released=AREAL_ROW, own=SELF_ROW,
+                    name=row_name)  # fmt: skip
+
+    each_layout(report, bar, [(lay,) for lay in opts.layouts], measure)
     report.elapsed_s = time.perf_counter() - started
     return report

@@ -47,7 +47,7 @@ import torch
 from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
 from megatron_lossfix.audit.oracle import OracleCase, microbatch_plan, relative_error
 from megatron_lossfix.audit.oracle_case import prompt_groups
-from megatron_lossfix.audit.report import AuditReport, Progress
+from megatron_lossfix.audit.report import AuditReport, Progress, each_layout
 from megatron_lossfix.audit.stacks.modes import mode_rows
 
 __all__ = [
@@ -407,37 +407,33 @@ def run_stack(
     refs: dict[tuple, dict[str, torch.Tensor]] = {}
     own: dict[tuple, dict[str, torch.Tensor]] = {}
     one_rank = parse_layout("dp1-m1").parallel()
-    for lay in opts.layouts:
-        bar.show(lay.name)
+
+    def measure(lay: MatrixLayout) -> None:
         case = stack_case(opts, lay)
         plan = microbatch_plan(case, lay.dp, lay.num_microbatches)
-        try:
-            got = pool.run(
-                worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches, terms
-            )[0]
-            worst = dict.fromkeys(ROWS, 0.0)
-            for mode in modes:
-                key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
-                if key not in refs:
-                    refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
-                for row in ROWS:
-                    err = relative_error(got[(row, mode)], refs[key])
-                    worst[row] = max(worst[row], err)
-                    if (row, mode) in per_mode:
-                        report.add_result(per_mode[row, mode], lay, {"error": err}, opts.tolerance)
-                if mode in own_modes:
-                    if key[:2] not in own:
-                        own[key[:2]] = pool.run(
-                            skyrl_layout_grads, 1, one_rank, case, (mode,), 1, terms, ROWS[:1]
-                        )[0][(ROWS[0], mode)]
-                    err = relative_error(got[(ROWS[0], mode)], own[key[:2]])
-                    report.add_result(f"{SELF_ROW}:{mode}", lay, {"error": err}, opts.tolerance)
-            for row, err in worst.items():
-                report.add_result(row, lay, {"error": err}, opts.tolerance)
-        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-            report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-            bar.advance(f"{lay.name} FAILED")
-            continue
-        bar.advance(lay.name)
+        got = pool.run(
+            worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches, terms
+        )[0]
+        worst = dict.fromkeys(ROWS, 0.0)
+        for mode in modes:
+            key = (repr(case), mode, repr(plan) if mode == "token_mean_legacy" else None)
+            if key not in refs:
+                refs[key] = pool.run(skyrl_reference, 1, case, mode, plan, terms)[0]
+            for row in ROWS:
+                err = relative_error(got[(row, mode)], refs[key])
+                worst[row] = max(worst[row], err)
+                if (row, mode) in per_mode:
+                    report.add_result(per_mode[row, mode], lay, {"error": err}, opts.tolerance)
+            if mode in own_modes:
+                if key[:2] not in own:
+                    own[key[:2]] = pool.run(
+                        skyrl_layout_grads, 1, one_rank, case, (mode,), 1, terms, ROWS[:1]
+                    )[0][(ROWS[0], mode)]
+                err = relative_error(got[(ROWS[0], mode)], own[key[:2]])
+                report.add_result(f"{SELF_ROW}:{mode}", lay, {"error": err}, opts.tolerance)
+        for row, err in worst.items():
+            report.add_result(row, lay, {"error": err}, opts.tolerance)
+
+    each_layout(report, bar, [(lay,) for lay in opts.layouts], measure)
     report.elapsed_s = time.perf_counter() - started
     return report

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
-from megatron_lossfix.audit.report import AuditReport, Progress
+from megatron_lossfix.audit.report import AuditReport, Progress, each_layout
 from megatron_lossfix.audit.stacks.modes import record_runs
 from megatron_lossfix.audit.stacks.slime.batch import (
     MASKED_SAMPLES,
@@ -167,29 +167,17 @@ def run_stack(
     )
     bar = Progress(len(columns), progress)
     cache: dict[str, dict] = {}
-    for lay, allgather in columns:
-        bar.show(lay.name)
+
+    def measure(lay: MatrixLayout, allgather: bool) -> None:
         case = stack_case(opts, lay)
-        try:
-            got = pool.run(
-                worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches,
-                allgather, ROWS, settings,
-            )[0]  # fmt: skip
-            targets = _targets(pool, case, plan, cache)
-            record_runs(
-                report,
-                opts.tolerance,
-                lay,
-                got,
-                targets,
-                released=SLIME_ROW,
-                own=SELF_ROW,
-                name=row_name,
-            )
-        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-            report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-            bar.advance(f"{lay.name} FAILED")
-            continue
-        bar.advance(lay.name)
+        got = pool.run(
+            worker, lay.world_size, lay.parallel(), case, modes, lay.num_microbatches,
+            allgather, ROWS, settings,
+        )[0]  # fmt: skip
+        targets = _targets(pool, case, plan, cache)
+        record_runs(report, opts.tolerance, lay, got, targets, released=SLIME_ROW, own=SELF_ROW,
+                    name=row_name)  # fmt: skip
+
+    each_layout(report, bar, columns, measure)
     report.elapsed_s = time.perf_counter() - started
     return report

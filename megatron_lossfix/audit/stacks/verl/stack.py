@@ -37,7 +37,7 @@ import torch
 
 from megatron_lossfix.audit.matrix import compute_references, reference_jobs
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch, relative_error
-from megatron_lossfix.audit.report import AuditReport, Progress
+from megatron_lossfix.audit.report import AuditReport, Progress, each_layout
 from megatron_lossfix.audit.stacks.modes import StackMode, mode_rows
 
 __all__ = ["DISTRIBUTION", "LAYOUTS", "MODES", "layout_grads", "run_stack"]
@@ -308,17 +308,12 @@ def run_stack(
             jobs.update(reference_jobs([MODES[m].plugin_mode], [placement]))
     bar = Progress(len(jobs) + len(opts.layouts), progress)
     refs = compute_references(pool, jobs, on_job=bar.reference)
-    for lay in opts.layouts:
-        bar.show(lay.name)
+
+    def measure(lay: Any) -> None:
         case = opts.case(lay)
-        try:
-            grads = pool.run(
-                worker, lay.world_size, lay.parallel(), case, tuple(modes), lay.num_microbatches
-            )[0]
-        except Exception as exc:  # noqa: BLE001 - recorded, reported, and fails the run
-            report.layout_errors[lay.name] = f"{type(exc).__name__}: {exc}"
-            bar.advance(f"{lay.name} FAILED")
-            continue
+        grads = pool.run(
+            worker, lay.world_size, lay.parallel(), case, tuple(modes), lay.num_microbatches
+        )[0]
         fraction = _nonempty_fraction(case)
         worst: dict[str, float] = {ROW: 0.0, ADAPTED_ROW: 0.0}
         for m in modes:
@@ -335,7 +330,8 @@ def run_stack(
                     report.add_result(per_mode[row, m], lay, {"error": err}, opts.tolerance)
         for row, err in worst.items():
             report.add_result(row, lay, {"error": err}, opts.tolerance)
-        bar.advance(lay.name)
+
+    each_layout(report, bar, [(lay,) for lay in opts.layouts], measure)
     report.elapsed_s = time.perf_counter() - started
     return report
 
