@@ -10,8 +10,17 @@
 #   logprobs     examples/benchmark_logprobs.py at vocab 32k/128k/152k, bf16 and fp32
 #   megatron-lm  Megatron-LM's patched pretrain_gpt.py on one GPU, micro-batch 1 vs 4
 #                (MEGATRON_LM_PATH: a core_v0.16.1 checkout with the patch applied)
+#   first-step   the default first-step check against a plain step (examples/benchmark.py,
+#                token_mean-first-step), one GPU: 404 M parameters (fp32) at micro-batch 2 and 1,
+#                activations dominating at micro-batch 1, MoE at micro-batch 1
+#                (FIRST_STEP_ARGS: extra flags for every run, e.g. a smaller model)
+#   step-cost    examples/step_cost.py: a step's time by part, host syncs, collectives, kernels
+#                (STEP_COST_ARGS: extra flags)
 #   overhead     examples/benchmark.py against stock Megatron, fp32 and bf16, one GPU
 #                (OVERHEAD_ARGS: extra flags for both runs, e.g. fewer rounds)
+#
+# The GPU checks of the first-step check and the per-step cost, as one prepared run:
+#   PYTHONPATH=$PWD examples/gpu_suite.sh OUT env tests first-step step-cost overhead
 set -uo pipefail
 out=${1:?usage: $0 OUTDIR STEP...}
 shift
@@ -72,6 +81,37 @@ for reduction in ("token_mean", "off"):
         print(f"{reduction}: iteration {a['iteration']}: grad norm rel diff mbs1 vs mbs4 {rel:.2e}")
         assert (rel <= 1e-5) == (reduction == "token_mean"), rel
 EOF
+}
+
+step_first_step() {
+  # 8 layers, hidden 2048, seq 1024: 404 M parameters, gradients dominating memory; then
+  # activations dominating (seq 4096), dense and MoE. Time, tensor peak and fresh-process
+  # peak of the checked step against a plain token_mean step.
+  local common="--ranks 1 --workloads sft --variants token_mean-first-step --rounds 3
+    --steps-per-round 1 --warmup 1 --memory-steps 1 --global-batch-size 8"
+  local big="--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --seq-length 1024"
+  local act="--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 4096"
+  local name flags
+  while read -r name flags; do
+    echo "--- first step: $name"
+    # shellcheck disable=SC2086 # flag lists split into words
+    "$py" examples/benchmark.py $common $flags --json-out "$out/first_step_$name.json" \
+      ${FIRST_STEP_ARGS:-} || return 1
+  done <<RUNS
+big-mbs2 $big --micro-batch-size 2
+big-mbs1 $big --micro-batch-size 1
+act-mbs1 $act --micro-batch-size 1
+moe-mbs1 $act --micro-batch-size 1 --num-experts 8
+RUNS
+}
+
+step_step_cost() {
+  # bf16, the overhead table's model: where the plugin's milliseconds per step go.
+  # shellcheck disable=SC2086
+  "$py" -m torch.distributed.run --standalone --nproc-per-node 1 examples/step_cost.py --bf16 \
+    --num-layers 4 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 \
+    --global-batch-size 8 --micro-batch-size 1 --variants token_mean,sequence_mean \
+    --workloads sft,rl --steps-per-round 10 ${STEP_COST_ARGS:-}
 }
 
 step_overhead() {
