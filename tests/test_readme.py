@@ -98,6 +98,12 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "tests/test_readme_stacks.py checks that every such page is listed)",
     ),
     (
+        "source .venv-",
+        "activates the environment a page's install line makes (above): CI runs the page's "
+        "commands in it (noxfile.py, PAGE_TESTS: tests/test_megatron_lm_rl.py runs the "
+        "Megatron-LM RL page's block after its install line)",
+    ),
+    (
         "megatron_lossfix audit --stack",
         "a stack audit needs its stack: tests/test_readme_stacks.py runs these commands in each "
         "stack's virtualenv (CI: the one its page's install line makes)",
