@@ -439,3 +439,17 @@ def test_the_examples_model_config_warns_nothing():
         _config(parser.parse_args([]), per_token_loss=False, bf16=False)
     said = [str(w.message) for w in caught if w.filename.endswith("transformer_config.py")]
     assert not [m for m in said if "deprecated" in m], said
+
+
+#: The longest an example may be: each is read whole, as a recipe (the project's rule).
+EXAMPLE_LINES = 250
+
+
+@pytest.mark.unit
+def test_every_example_is_short_enough_to_read_whole():
+    """Every ``examples/*.py`` has at most ``EXAMPLE_LINES`` lines; a longer one is split along
+    a concept (as ``benchmark.py``'s tables went to ``benchmark_report.py``)."""
+    lengths = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "examples").glob("*.py")}
+    assert lengths, "no examples found"
+    longer = {name: n for name, n in lengths.items() if n > EXAMPLE_LINES}
+    assert not longer, f"examples over {EXAMPLE_LINES} lines: {longer}"
