@@ -7,17 +7,20 @@ imports ``megatron.training``); skips without them. Runs the tree's
 ``tests/unit_tests/pipeline_parallel/test_schedules.py`` on 8 ranks on gloo (launched as torchrun
 would, ``helpers.launch``) through :mod:`helpers.upstream_schedules` with
 ``LossFixSchedule(LossFixConfig(reduction="off"), forward_backward_func=<stock>)`` in place of
-each of the three schedules: every test must pass on every rank (the custom-process-group tests
-left out on gloo, see ``DESELECT``). Only when some do not is the file run stock too, to tell
-what fails alike without the plugin from what the plugin causes: then every test must end the
-same way on every rank in both runs.
+each of the three schedules: every test must pass on every rank, or skip on every rank by its
+own condition (the custom-process-group tests left out on gloo, see ``DESELECT``). Each rank
+writes its tests' outcomes to a file (``helpers.upstream_schedules.OUTCOMES_ENV``); a test a rank
+did not report counts as MISSING there. Only when some test does not pass is the file run stock
+too, to tell what fails alike without the plugin from what the plugin causes: then every test
+must end the same way on every rank in both runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,10 +31,12 @@ from helpers.megatron_lm_run import (
     tags_to_test,
     unpack_tag,
 )
+from helpers.upstream_schedules import OUTCOMES_ENV
 
 ARCHIVES = archives_folder()
 TAGS = tags_to_test(ARCHIVES) if ARCHIVES else []
 TEST_FILE = "tests/unit_tests/pipeline_parallel/test_schedules.py"
+RANKS = 8
 
 pytestmark = [
     pytest.mark.e2e,
@@ -61,10 +66,13 @@ DESELECT = "not custom_pgs"
 
 def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]]:
     """``test id -> outcomes seen on the 8 ranks`` for one launch of the upstream file (or of
-    one of its tests)."""
+    one of its tests), from the files the ranks write (``OUTCOMES_ENV``); a test that a rank
+    did not report (it died, or never got there) counts as MISSING on that rank."""
+    outcomes_dir = Path(tempfile.mkdtemp(prefix="outcomes-", dir=checkout))
     env = {
         **os.environ,
         "LOSSFIX_SWAP": swap,
+        OUTCOMES_ENV: str(outcomes_dir),
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(  # the package, and tests/ for helpers.upstream_schedules
             [
@@ -74,15 +82,16 @@ def _run(checkout: Path, swap: str, test: str = TEST_FILE) -> dict[str, set[str]
             ]
         ),
     }
-    args = ["-q", "-rA", "-o", "addopts=", "--noconftest", "-p", "no:cacheprovider",
+    args = ["-q", "-o", "addopts=", "--noconftest", "-p", "no:cacheprovider",
             "-p", "helpers.upstream_schedules", "-k", DESELECT, test]  # fmt: skip
-    result = launch("pytest", 8, args, module=True, cwd=checkout, env=env, preload=PRELOAD,
-                    timeout=1800)  # fmt: skip
-    out = result.output
-    outcomes: dict[str, set[str]] = {}
-    for kind, name in re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", out, re.M):
-        outcomes.setdefault(name, set()).add(kind)
-    return outcomes
+    launch("pytest", RANKS, args, module=True, cwd=checkout, env=env, preload=PRELOAD,
+           timeout=1800)  # fmt: skip
+    per_rank = [
+        json.loads(path.read_text()) if path.is_file() else {}
+        for path in (outcomes_dir / f"rank{rank}.json" for rank in range(RANKS))
+    ]
+    tests = set().union(*per_rank)
+    return {t: {rank.get(t, "MISSING") for rank in per_rank} for t in tests}
 
 
 def _differing(stock: dict, swapped: dict) -> list[str]:
@@ -99,10 +108,13 @@ def test_megatron_schedule_tests_pass_alike_stock_and_swapped(tag, tmp_path, rep
     swapped = _run(checkout, "off")
     assert swapped, f"the swapped run reported no test outcome (tag {tag})"
     passed = sum(o == {"PASSED"} for o in swapped.values())
-    if passed == len(swapped):
+    skipped = sum(o == {"SKIPPED"} for o in swapped.values())  # the tests' own conditions
+    assert passed, f"no test passed swapped (tag {tag}): {swapped}"
+    if passed + skipped == len(swapped):
         report_figure(
             f"Megatron-Core's schedule tests {tag}: {passed} of {len(swapped)} passed on all 8 "
-            "ranks with the plugin swapped in (stock run not needed: nothing to tell apart)"
+            f"ranks with the plugin swapped in, {skipped} skipped on all 8 by their own "
+            "conditions (stock run not needed: nothing to tell apart)"
         )
         return
     stock = _run(checkout, "stock")

@@ -28,8 +28,10 @@ not). Nothing of Megatron's code is kept in this repository;
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron
@@ -43,6 +45,11 @@ SCHEDULES = (
 )
 ENV = "LOSSFIX_SWAP"
 TIMEOUT_ENV = "LOSSFIX_PG_TIMEOUT_S"
+#: A folder where each rank writes ``rank<RANK>.json``: test id -> PASSED, FAILED, ERROR or
+#: SKIPPED. Read from files, not from the ranks' interleaved output, whose summary lines eight
+#: processes writing to one pipe can cut or merge.
+OUTCOMES_ENV = "LOSSFIX_OUTCOMES_DIR"
+_OUTCOMES: dict[str, str] = {}
 
 
 def _use_gloo() -> None:
@@ -106,6 +113,28 @@ def pytest_configure(config: Any) -> None:
 
 def pytest_report_header(config: Any) -> str:
     return f"megatron_lossfix: {ENV}={os.environ.get(ENV, 'stock')} (gloo, CPU bridge)"
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """Each test's outcome on this rank: its call's, or ERROR where its setup or teardown
+    failed (a failure is never overwritten by a later phase's pass)."""
+    if report.when == "call":
+        kind = {"passed": "PASSED", "failed": "FAILED", "skipped": "SKIPPED"}[report.outcome]
+    elif report.failed:
+        kind = "ERROR"
+    elif report.skipped:  # skipped in its setup (a skip marker)
+        kind = "SKIPPED"
+    else:
+        return
+    if _OUTCOMES.get(report.nodeid) not in ("FAILED", "ERROR"):
+        _OUTCOMES[report.nodeid] = kind
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    folder = os.environ.get(OUTCOMES_ENV)
+    if folder:
+        rank = os.environ.get("RANK", "0")
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(_OUTCOMES))
 
 
 def pytest_unconfigure(config: Any) -> None:
