@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -46,7 +47,7 @@ from megatron_lossfix.step.megatron_compat import (
 )
 from megatron_lossfix.step.microbatch_resplit import loss_token_half, resplit, resplit_plan
 
-__all__ = ["SelfCheck", "SelfCheckError", "first_step_check", "left_out"]
+__all__ = ["SelfCheck", "SelfCheckError", "first_step_check", "left_out", "switched_on"]
 
 
 class SelfCheckError(RuntimeError):
@@ -73,6 +74,16 @@ def left_out(where: str, why: str) -> None:
     _LEFT_OUT.add(where)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"megatron_lossfix self-check: not run in {where}: {why}", flush=True)
+
+
+def switched_on(env: str, where: str, why: str) -> bool:
+    """Whether the environment variable ``env`` is ``1``: the switch of an adapter that writes
+    the loss itself (``where``) to run the first-step check; off, the run says so once
+    (:func:`left_out`), with ``why`` the check stays out and that ``env=1`` runs it."""
+    on = os.environ.get(env) == "1"
+    if not on:
+        left_out(where, f"{why}; {env}=1 runs it")
+    return on
 
 
 class SelfCheck:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import kept_weights
 from megatron_lossfix.step.schedule import LossFixSchedule
-from megatron_lossfix.step.selfcheck import left_out
+from megatron_lossfix.step.selfcheck import switched_on
 
 __all__ = [
     "AREAL_MODE",
@@ -75,14 +74,12 @@ _ORIGINAL: dict[str, Any] = {}
 def lossfix_config(*, mask_in_loss: bool = False) -> LossFixConfig:
     """The plugin configuration of AReaL's step: ``token_mean``; ``mask_in_loss``: tokens the
     loss drops leave the count."""
-    if os.environ.get(SELF_CHECK_ENV) != "1":
-        left_out(
-            "AReaL's adapter",
-            f"the adapter writes the loss from AReaL's loss function; {SELF_CHECK_ENV}=1 runs it",
-        )
+    checked = switched_on(
+        SELF_CHECK_ENV, "AReaL's adapter", "the adapter writes the loss from AReaL's loss function"
+    )
     return LossFixConfig(
         reduction=AREAL_MODE,
-        self_check=os.environ.get(SELF_CHECK_ENV) == "1",
+        self_check=checked,
         mask_in_loss=mask_in_loss,
     )
 

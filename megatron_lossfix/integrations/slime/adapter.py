@@ -51,7 +51,6 @@ are weighted sums (``LossFixForwardBackward.schedule.step_metrics()`` gives the 
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -60,7 +59,7 @@ import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.step.schedule import LossFixSchedule
-from megatron_lossfix.step.selfcheck import left_out
+from megatron_lossfix.step.selfcheck import switched_on
 
 __all__ = [
     "SLIME_MODES",
@@ -93,15 +92,14 @@ def lossfix_config_for(args: Any, *, mask_in_loss: bool = False) -> LossFixConfi
     if per_token is None:
         raise ValueError("slime args have no calculate_per_token_loss: pass slime's parsed args")
     mode = SLIME_MODES["per_token" if per_token else "per_rollout"]
-    if os.environ.get(SELF_CHECK_ENV) != "1":
-        left_out(
-            "slime's adapter",
-            f"the adapter writes the loss from slime's per-token losses; {SELF_CHECK_ENV}=1 "
-            "runs it",
-        )
+    checked = switched_on(
+        SELF_CHECK_ENV,
+        "slime's adapter",
+        "the adapter writes the loss from slime's per-token losses",
+    )
     return LossFixConfig(
         reduction=mode,
-        self_check=os.environ.get(SELF_CHECK_ENV) == "1",
+        self_check=checked,
         mask_in_loss=mask_in_loss or bool(getattr(args, "lossfix_mask_in_loss", False)),
     )
 
