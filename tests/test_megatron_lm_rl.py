@@ -513,8 +513,8 @@ def test_doc_cpu_block_makes_and_activates_its_environment() -> None:
     from helpers import doc_pages
 
     commands = doc_pages.block_commands("bash", _doc_cpu_command())
-    page, line = doc_pages.install_line("docs/megatron_lm_rl.md")
-    assert commands[0] == line and page == PAGE_VENV.removeprefix(".venv-"), commands[0]
+    name, line = doc_pages.install_line("docs/megatron_lm_rl.md")
+    assert commands[0] == line and name == PAGE_VENV.removeprefix(".venv-"), commands[0]
     assert '-e ".[megatron-lm]"' in line and "megatron-core==0.19.2" in line, line
     assert commands[1] == f"source {PAGE_VENV}/bin/activate", commands[1]
     assert not any(c.startswith(("pip ", "python3")) for c in commands[2:]), commands
