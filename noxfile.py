@@ -19,10 +19,12 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
-(``_ahead``): pip waits mostly on the network and the disk, so ``lint`` starts both worlds'
-installs and the stack pages' install lines before its own checks (the 3.12 world goes on
-during the 3.11 tests, the stacks' during the suite), and Bridge's layer installs during the
-suite.
+(``_ahead``): pip waits mostly on the network and the disk, so ``lint`` starts them before its
+own checks (the 3.12 world's goes on during the 3.11 tests, the stack pages' during the suite),
+and Bridge's layer installs during the suite. The 3.11 world installs on its own. The 3.12
+world and the pages' lines each bring torch's CUDA build (5 to 8 GB installed): they install
+one after another, each page's virtualenv sharing the files it has in common with those before
+it (``SHARE_FILES``), so that the run needs about 20 GB of disk, not 50.
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
@@ -42,6 +44,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import nox
 
@@ -140,8 +143,8 @@ _expose_pyenv_versions()
 DEFAULT_RUN = not any(
     arg.startswith(("-s", "--session", "-e", "-k", "-t", "--tag")) for arg in sys.argv[1:]
 )
-#: Installs started by ``_ahead`` and not yet collected: name -> (process, log).
-_AHEAD: dict[str, tuple[subprocess.Popen, str]] = {}
+#: Steps started by ``_ahead`` and not yet collected: name -> (process, log, status file).
+_AHEAD: dict[str, tuple[subprocess.Popen, str, str]] = {}
 _SITE = "import site; print(site.getsitepackages()[0])"
 
 
@@ -197,31 +200,53 @@ def _see(session: nox.Session, below: str, above: str) -> None:
         f.write(f"import site; site.addsitedir({sites[0]!r})\n")
 
 
-def _ahead(session: nox.Session, name: str, *commands: tuple[str, ...]) -> None:
-    """Run ``commands`` one after another in a process of their own (with the session's
-    environment) while the session goes on; ``_collect(session, name)`` waits for them."""
-    log = os.path.abspath(os.path.join(".nox", f"{name}.log"))
-    script = " && ".join(shlex.join(command) for command in commands)
+def _ahead(session: nox.Session, *steps: tuple[str, list[tuple[str, ...]]]) -> None:
+    """Run ``steps`` (``(name, commands)``) one after another in a process of their own (with
+    the session's environment) while the session goes on; ``_collect(session, name)`` waits for
+    the step ``name``. A step's commands run one after another, in a subshell (a ``cd`` stays
+    in it), into the log ``.nox/<name>.log``; a step that fails leaves the next to run."""
     # nox marks a variable to unset with None (PYTHONHOME, ...).
     env = {k: v for k, v in {**os.environ, **session.env}.items() if v is not None}
-    with open(log, "w") as out:
-        process = subprocess.Popen(["bash", "-c", f"set -x; {script}"], stdout=out, stderr=out,
-                                   env=env)  # fmt: skip
-    _AHEAD[name] = (process, log)
-    session.log(f"{name}: running beside the session (log: {log})")
+    script = []
+    for name, commands in steps:
+        log, status = _step_files(name)
+        for old in (log, status):
+            if os.path.exists(old):
+                os.remove(old)
+        run = " && ".join(shlex.join(command) for command in commands)
+        log, status = shlex.quote(log), shlex.quote(status)
+        # The status file appears whole (a rename) once the step is over.
+        script.append(f"(set -x; {run}) > {log} 2>&1; echo $? > {status}.part; "
+                      f"mv {status}.part {status}")  # fmt: skip
+    process = subprocess.Popen(["bash", "-c", "\n".join(script)], env=env)
+    for name, _ in steps:
+        log, status = _step_files(name)
+        _AHEAD[name] = (process, log, status)
+        session.log(f"{name}: running beside the session (log: {log})")
+
+
+def _step_files(name: str) -> tuple[str, str]:
+    """The log of ``_ahead``'s step ``name`` and the file its exit status goes to."""
+    return tuple(os.path.abspath(os.path.join(".nox", name + ext)) for ext in (".log", ".status"))
 
 
 def _collect(session: nox.Session, name: str) -> bool:
-    """Wait for ``_ahead``'s ``name`` and show its log; False when it was not started."""
+    """Wait for ``_ahead``'s step ``name`` and show its log; False when it was not started."""
     if name not in _AHEAD:
         return False
-    process, log = _AHEAD.pop(name)
+    process, log, status = _AHEAD.pop(name)
     session.log(f"{name}: waiting for it")
-    status = process.wait()
-    with open(log) as f:
-        session.log(f.read())
-    if status:
-        session.error(f"{name}: failed (exit {status}); its log is above")
+    while not os.path.exists(status) and process.poll() is None:
+        time.sleep(1)
+    if os.path.exists(log):
+        with open(log) as f:
+            session.log(f.read())
+    if not os.path.exists(status):
+        session.error(f"{name}: its process ended (exit {process.returncode}) before it ran")
+    with open(status) as f:
+        code = int(f.read())
+    if code:
+        session.error(f"{name}: failed (exit {code}); its log is above")
     return True
 
 
@@ -242,12 +267,13 @@ def _extra(name: str) -> list[str]:
     return _setup_kwarg("extras_require")[name]
 
 
-def _build_ahead(session: nox.Session, python: str) -> None:
-    """Start installing the ``python`` world into ``.nox/world-<python>`` (``_install`` uses it)."""
+def _world_step(python: str) -> tuple[str, list[tuple[str, ...]]]:
+    """The ``_ahead`` step that installs the ``python`` world into ``.nox/world-<python>``
+    (``_install`` uses it)."""
     world = _world(python)
     pip = (os.path.join(world, "bin", "python"), "-m", "pip", "install", "-q", *NO_COMPILE)
-    _ahead(session, f"world-{python}", (f"python{python}", "-m", "venv", "--clear", world),
-           (*pip, *_requirements(python)))  # fmt: skip
+    return f"world-{python}", [(f"python{python}", "-m", "venv", "--clear", world),
+                               (*pip, *_requirements(python))]  # fmt: skip
 
 
 def _stack_pages() -> list[tuple[str, str, str]]:
@@ -282,17 +308,38 @@ def _copy_tree(dest: str) -> None:
             shutil.copy2(name, os.path.join(dest, name))
 
 
-def _stack_ahead(session: nox.Session, stack: str, line: str) -> None:
-    """Run the page's install line, as printed, in a fresh copy of the tree (it makes
-    ``.venv-<stack>`` there), beside the session; then the test tools into that virtualenv.
-    pip compiles no bytecode (``PIP_NO_COMPILE``, as for the worlds): what is installed is
-    the same."""
+#: Run after each page's install line: the files its virtualenv has in common with the 3.12
+#: world's and the pages' before it (torch's CUDA build and its libraries: most of a page's 5
+#: to 8 GB) become hard links to theirs (util-linux's ``hardlink`` compares contents; ``-t``:
+#: whatever the times), so that the disk holds them once, not six times.
+SHARE_FILES = r"""
+venvs=()
+for venv in "$NOX_DIR"/world-3.12 "$NOX_DIR"/page-*/.venv-*; do
+    if [ -d "$venv" ]; then venvs+=("$venv"); fi
+done
+if command -v hardlink > /dev/null; then hardlink -t "${venvs[@]}"
+else echo "hardlink (util-linux) not found: each page's virtualenv keeps its own files"; fi
+"""
+
+
+def _page_step(stack: str, line: str) -> tuple[str, list[tuple[str, ...]]]:
+    """The ``_ahead`` step that runs the page's install line, as printed, in a fresh copy of
+    the tree (it makes ``.venv-<stack>`` there), then installs the test tools into that
+    virtualenv and shares its files with those before it (``SHARE_FILES``). pip compiles no
+    bytecode (``PIP_NO_COMPILE``, as for the worlds): what is installed is the same."""
     tree = _stack_tree(stack)
     _copy_tree(tree)
     pip = (os.path.join(".venv-" + stack, "bin", "pip"), "install", "-q", "--no-compile")
     tools = [r for r in _extra("test") if r.startswith("pytest")]
-    _ahead(session, f"page-{stack}", ("cd", tree), ("export", "PIP_NO_COMPILE=1"),
-           ("bash", "-c", line), (*pip, *tools))  # fmt: skip
+    return f"page-{stack}", [
+        ("cd", tree), ("export", "PIP_NO_COMPILE=1", f"NOX_DIR={os.path.dirname(tree)}"),
+        ("bash", "-c", line), (*pip, *tools), ("bash", "-c", SHARE_FILES),
+    ]  # fmt: skip
+
+
+def _page_steps() -> list[tuple[str, list[tuple[str, ...]]]]:
+    """``_page_step`` of each page that ``_stack_pages`` gives."""
+    return [_page_step(stack, line) for _, stack, line in _stack_pages()]
 
 
 def _stack_tests(session: nox.Session, page: str, stack: str) -> None:
@@ -313,10 +360,8 @@ def lint(session: nox.Session) -> None:
     """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra).
     In the default run it comes first, and starts both test worlds' installs beside it."""
     if DEFAULT_RUN:
-        for python in LATEST:
-            _build_ahead(session, python)
-        for _, stack, line in _stack_pages():
-            _stack_ahead(session, stack, line)
+        _ahead(session, _world_step("3.11"))
+        _ahead(session, _world_step("3.12"), *_page_steps())
     session.install(RUFF, *_extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -340,10 +385,9 @@ def tests_312(session: nox.Session) -> None:
     stacks = [] if session.posargs else _stack_pages()
     if not session.posargs:
         bridge = _layer(session, "bridge-3.12")
-        _ahead(session, "bridge-3.12", (bridge, "-m", "megatron_lossfix", "install-bridge"))
-        for _, stack, line in stacks:
-            if f"page-{stack}" not in _AHEAD:  # not started by lint (this session alone)
-                _stack_ahead(session, stack, line)
+        _ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
+        if not any(name.startswith("page-") for name in _AHEAD):  # this session alone
+            _ahead(session, *_page_steps())
     stack_tests = [f"tests/test_{stack}_stack.py" for stack in
                    (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
@@ -354,7 +398,7 @@ def tests_312(session: nox.Session) -> None:
         return
     _collect(session, "bridge-3.12")
     # Side by side: Bridge's tests are one file (one worker); the stacks' keep the other busy.
-    _ahead(session, "bridge-tests", (bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS))
+    _ahead(session, ("bridge-tests", [(bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS)]))
     try:
         for page, stack, _ in stacks:
             _collect(session, f"page-{stack}")
@@ -368,8 +412,7 @@ def stacks(session: nox.Session) -> None:
     """What ``tests-3.12`` does for the stacks after the suite, alone: each stack page's install
     line, as printed, in a fresh virtualenv of its own, then the stack's tests there."""
     pages = _stack_pages()
-    for _, stack, line in pages:
-        _stack_ahead(session, stack, line)
+    _ahead(session, *_page_steps())
     for page, stack, _ in pages:
         _collect(session, f"page-{stack}")
         _stack_tests(session, page, stack)
