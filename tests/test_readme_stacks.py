@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,34 @@ def test_ci_runs_every_stack_pages_install_line_as_printed():
     for name, requirements in _extras().items():
         if name in PINNED:
             assert any(r.startswith(f"{name}==") for r in requirements), (name, requirements)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not shutil.which("hardlink"), reason="util-linux's hardlink is not installed")
+def test_ci_keeps_one_copy_of_what_the_pages_virtualenvs_share(tmp_path):
+    """After each page's install line CI runs ``SHARE_FILES``: a file of the page's virtualenv
+    that the 3.12 world or an earlier page's has with the same contents becomes a hard link to
+    it (torch's CUDA build, 5 GB, would otherwise sit on the disk six times: the landing of
+    9749f3d ran out of it). pip installs each copy at its own time; a file that differs stays."""
+    shared, own = os.urandom(1 << 16), os.urandom(1 << 16)
+    venvs = [
+        tmp_path / "world-3.12",
+        tmp_path / "page-a" / ".venv-a",
+        tmp_path / "page-b" / ".venv-b",
+    ]
+    for age, venv in enumerate(venvs):
+        (venv / "torch").mkdir(parents=True)
+        (venv / "torch" / "lib.so").write_bytes(shared)
+        (venv / "torch" / "version.py").write_bytes(own if venv.name == ".venv-b" else shared[:99])
+        os.utime(venv / "torch" / "lib.so", (1e9 + age, 1e9 + age))
+    env = {**os.environ, "NOX_DIR": str(tmp_path)}
+    subprocess.run(
+        ["bash", "-c", _nox_value("SHARE_FILES")], env=env, check=True, capture_output=True
+    )
+    inodes = {venv.parent.name: (venv / "torch" / "lib.so").stat().st_ino for venv in venvs}
+    assert len(set(inodes.values())) == 1, inodes
+    assert (venvs[2] / "torch" / "version.py").read_bytes() == own
+    assert (venvs[2] / "torch" / "version.py").stat().st_nlink == 1
 
 
 @pytest.mark.unit
