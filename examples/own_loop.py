@@ -117,4 +117,7 @@ for iteration in range(1, args.train_iters + 1):
         # `off` reports only what the loss function did (here nothing): no loss, no tokens.
         line = dict(iteration=iteration, loss=metrics.get("loss"), grad_norm=grad_norm)
         print(json.dumps({**line, "num_tokens": metrics.get("num_tokens")}), flush=True)
+# Megatron's teardown: every rank done with the groups, then Megatron's, then torch's.
+dist.barrier()
+ps.destroy_model_parallel()
 dist.destroy_process_group()
