@@ -440,6 +440,8 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
 
     code = 1
     try:
+        # Its own process group, which what it starts joins: _serve ends them with it.
+        os.setpgid(0, 0)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -483,6 +485,15 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
             except Exception:
                 pass
         os._exit(code)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the rank ``pid`` and to what it started: its process group, which
+    ``_serve`` makes at the fork (a rank of Megatron-LM's RL loop spawns an inference
+    coordinator that would outlive it). Never to the bare pid: once reaped, it may be another
+    process's."""
+    with contextlib.suppress(ProcessLookupError):  # nothing left in the group
+        os.killpg(pid, sig)
 
 
 def _serve(folder: str, preload: Sequence[str]) -> None:
@@ -532,7 +543,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:  # the caller closed: stop everything
                 for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
+                    _signal_group(pid, signal.SIGKILL)
                 return
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
@@ -541,7 +552,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                 if "kill" in request:
                     for pid, job_id in pids.items():
                         if job_id == request["kill"]:
-                            os.kill(pid, signal.SIGKILL)
+                            _signal_group(pid, signal.SIGKILL)
                     continue
                 port = _free_port()
                 job = jobs[request["id"]] = {"pids": {}, "codes": {}, "cpu_s": 0.0, "failed": 0}
@@ -552,6 +563,8 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                     if pid == 0:
                         replies.close()
                         _run_rank(request, rank, port)
+                    with contextlib.suppress(OSError):  # as the rank does: whichever runs first
+                        os.setpgid(pid, pid)
                     job["pids"][pid] = rank
                     pids[pid] = request["id"]
         while pids:
@@ -559,6 +572,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
             if pid == 0:
                 break
             job = jobs[pids.pop(pid)]
+            _signal_group(pid, signal.SIGKILL)  # what the rank started and left running
             code = os.waitstatus_to_exitcode(status)
             job["codes"][job["pids"][pid]] = code
             job["cpu_s"] += usage.ru_utime + usage.ru_stime
@@ -566,7 +580,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                 job["failed"] = code
                 for other in job["pids"]:
                     if other in pids:
-                        os.kill(other, signal.SIGTERM)
+                        _signal_group(other, signal.SIGTERM)
             if len(job["codes"]) == len(job["pids"]):
                 job_id = next(i for i, j in jobs.items() if j is job)
                 reply({"id": job_id, "returncode": job["failed"], "cpu_s": job["cpu_s"]})
