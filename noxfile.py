@@ -24,7 +24,7 @@ own checks (the 3.12 world's goes on during the 3.11 tests, the stack pages' dur
 and Bridge's layer installs during the suite. The 3.11 world installs on its own. The 3.12
 world and the pages' lines each bring torch's CUDA build (5 to 8 GB installed): they install
 one after another, each page's virtualenv sharing the files it has in common with those before
-it (``SHARE_FILES``), so that the run needs about 20 GB of disk, not 50.
+it (``SHARE_FILES``), so that the run needs about 25 GB of disk (docs/development.md).
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
