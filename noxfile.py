@@ -207,20 +207,19 @@ def _ahead(session: nox.Session, *steps: tuple[str, list[tuple[str, ...]]]) -> N
     in it), into the log ``.nox/<name>.log``; a step that fails leaves the next to run."""
     # nox marks a variable to unset with None (PYTHONHOME, ...).
     env = {k: v for k, v in {**os.environ, **session.env}.items() if v is not None}
+    files = {name: _step_files(name) for name, _ in steps}
     script = []
     for name, commands in steps:
-        log, status = _step_files(name)
-        for old in (log, status):
+        for old in files[name]:
             if os.path.exists(old):
                 os.remove(old)
         run = " && ".join(shlex.join(command) for command in commands)
-        log, status = shlex.quote(log), shlex.quote(status)
+        log, status = map(shlex.quote, files[name])
         # The status file appears whole (a rename) once the step is over.
         script.append(f"(set -x; {run}) > {log} 2>&1; echo $? > {status}.part; "
                       f"mv {status}.part {status}")  # fmt: skip
     process = subprocess.Popen(["bash", "-c", "\n".join(script)], env=env)
-    for name, _ in steps:
-        log, status = _step_files(name)
+    for name, (log, status) in files.items():
         _AHEAD[name] = (process, log, status)
         session.log(f"{name}: running beside the session (log: {log})")
 
