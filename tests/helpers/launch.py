@@ -412,11 +412,27 @@ class _Zygote:
 
 # ------------------------------------------------------------------------------ the zygote
 def _free_port() -> int:
+    """A port for the launch's store, free now and below the kernel's ephemeral range. A port
+    that ``bind(0)`` hands out is an ephemeral one: once closed, it can become the local port of
+    any outgoing connection (the ranks' gloo pairs make many) before rank 0 listens on it, and
+    rank 0 then fails with EADDRINUSE (seen once in a CI rehearsal)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except OSError:
+        ephemeral = 32768  # Linux's default
+    for _ in range(1000):
+        port = random.SystemRandom().randrange(10000, max(ephemeral, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the store listens on every address
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{ephemeral}")
 
 
 def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
