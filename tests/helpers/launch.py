@@ -412,27 +412,11 @@ class _Zygote:
 
 # ------------------------------------------------------------------------------ the zygote
 def _free_port() -> int:
-    """A port for the launch's store, free now and below the kernel's ephemeral range. A port
-    that ``bind(0)`` hands out is an ephemeral one: once closed, it can become the local port of
-    any outgoing connection (the ranks' gloo pairs make many) before rank 0 listens on it, and
-    rank 0 then fails with EADDRINUSE (seen once in a CI rehearsal)."""
-    import random
     import socket
 
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except OSError:
-        ephemeral = 32768  # Linux's default
-    for _ in range(1000):
-        port = random.SystemRandom().randrange(10000, max(ephemeral, 10001))
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))  # the store listens on every address
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in 10000-{ephemeral}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -456,8 +440,6 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
 
     code = 1
     try:
-        # Its own process group, which what it starts joins: _serve ends them with it.
-        os.setpgid(0, 0)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -501,15 +483,6 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
             except Exception:
                 pass
         os._exit(code)
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    """Send ``sig`` to the rank ``pid`` and to what it started: its process group, which
-    ``_serve`` makes at the fork (a rank of Megatron-LM's RL loop spawns an inference
-    coordinator that would outlive it). Never to the bare pid: once reaped, it may be another
-    process's."""
-    with contextlib.suppress(ProcessLookupError):  # nothing left in the group
-        os.killpg(pid, sig)
 
 
 def _serve(folder: str, preload: Sequence[str]) -> None:
@@ -559,7 +532,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:  # the caller closed: stop everything
                 for pid in pids:
-                    _signal_group(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 return
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
@@ -568,7 +541,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                 if "kill" in request:
                     for pid, job_id in pids.items():
                         if job_id == request["kill"]:
-                            _signal_group(pid, signal.SIGKILL)
+                            os.kill(pid, signal.SIGKILL)
                     continue
                 port = _free_port()
                 job = jobs[request["id"]] = {"pids": {}, "codes": {}, "cpu_s": 0.0, "failed": 0}
@@ -579,8 +552,6 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                     if pid == 0:
                         replies.close()
                         _run_rank(request, rank, port)
-                    with contextlib.suppress(OSError):  # as the rank does: whichever runs first
-                        os.setpgid(pid, pid)
                     job["pids"][pid] = rank
                     pids[pid] = request["id"]
         while pids:
@@ -588,7 +559,6 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
             if pid == 0:
                 break
             job = jobs[pids.pop(pid)]
-            _signal_group(pid, signal.SIGKILL)  # what the rank started and left running
             code = os.waitstatus_to_exitcode(status)
             job["codes"][job["pids"][pid]] = code
             job["cpu_s"] += usage.ru_utime + usage.ru_stime
@@ -596,7 +566,7 @@ def _serve(folder: str, preload: Sequence[str]) -> None:
                 job["failed"] = code
                 for other in job["pids"]:
                     if other in pids:
-                        _signal_group(other, signal.SIGTERM)
+                        os.kill(other, signal.SIGTERM)
             if len(job["codes"]) == len(job["pids"]):
                 job_id = next(i for i, j in jobs.items() if j is job)
                 reply({"id": job_id, "returncode": job["failed"], "cpu_s": job["cpu_s"]})
