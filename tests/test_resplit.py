@@ -88,17 +88,96 @@ def test_resplit_refuses_what_it_cannot_do():
         resplit(packed, ("split", 2, 4, None))
 
 
-@pytest.mark.parametrize("shape", [(1, 9), (3, 5), (1, 1), (2, 4)])
-def test_halves_of_the_loss_tokens_add_up_to_the_weights(shape):
-    """Each micro-batch's weights, packed rows ([1, T]) or not, are dealt into two halves that
-    hold every other loss token each and add up to the weights; the input is left as it was."""
+def _halves(batch: dict, weights: torch.Tensor, **keys) -> list[tuple[dict, torch.Tensor]]:
+    """Run 0's and run 1's (micro-batch, weights) of one micro-batch."""
+    out = []
+    for which in (0, 1):
+        batches, halved = loss_token_half(which, **keys)([batch], [weights])
+        out.append((batches[0], halved[0]))
+    return out
+
+
+@pytest.mark.parametrize("shape", [(1, 9), (1, 1), (1, 16)])
+def test_a_micro_batch_of_one_sequence_alternates_its_loss_tokens_and_doubles_its_mask(shape):
+    """One row: its weights are dealt into two halves that hold every other loss token each and
+    add up to the weights; its loss mask counts twice in both (a mean over the mask stays, a
+    division of the weighted sum by the mask's count is halved); the input is left as it was."""
     gen = torch.Generator().manual_seed(sum(shape))
-    weights = torch.rand(shape, generator=gen) * (torch.rand(shape, generator=gen) > 0.3)
-    before = weights.clone()
-    a, b = (loss_token_half(which)(0, weights) for which in (0, 1))
-    assert torch.equal(a + b, weights) and torch.equal(weights, before)
-    assert not ((a != 0) & (b != 0)).any()
+    mask = (torch.rand(shape, generator=gen) > 0.3).float()
+    weights = torch.rand(shape, generator=gen) * mask
+    batch = {"loss_mask": mask, "tokens": torch.zeros(shape, dtype=torch.long)}
+    before = {k: v.clone() for k, v in batch.items()}
+    (ba, a), (bb, b) = _halves(batch, weights)
+    assert torch.equal(a + b, weights) and not ((a != 0) & (b != 0)).any()
+    assert torch.equal(ba["loss_mask"], 2 * mask) and torch.equal(bb["loss_mask"], 2 * mask)
+    assert all(torch.equal(batch[k], before[k]) for k in batch) and ba["tokens"] is batch["tokens"]
     count = int((weights != 0).sum())
     assert (int((a != 0).sum()), int((b != 0).sum())) == ((count + 1) // 2, count // 2)
     flat = (weights != 0).reshape(-1).nonzero().reshape(-1)  # loss tokens alternate
     assert all((a.reshape(-1)[i] != 0) == (n % 2 == 0) for n, i in enumerate(flat.tolist()))
+
+
+def test_a_bool_mask_of_one_sequence_is_left_as_it_is():
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    (ba, a), (bb, b) = _halves({"loss_mask": mask}, mask.float())
+    assert ba["loss_mask"] is mask and bb["loss_mask"] is mask and torch.equal(a + b, mask.float())
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 4), (5, 1)])
+def test_rows_holding_loss_tokens_are_kept_whole_every_other_one(shape):
+    """Several rows with loss tokens: each run keeps every other such row whole, weights and
+    mask alike (a statistic over a row's mask is the normal run's), and the halves add up."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    mask = (torch.rand(shape, generator=gen) > 0.3).float()
+    mask[:, 0] = 1  # every row holds a loss token
+    mask[1] = 0 if shape[0] > 2 else mask[1]  # and one, where there are three, none
+    weights = torch.rand(shape, generator=gen) * mask
+    (ba, a), (bb, b) = _halves({"loss_mask": mask}, weights)
+    assert torch.equal(a + b, weights)
+    assert torch.equal(ba["loss_mask"] + bb["loss_mask"], mask)
+    holding = [r for r in range(shape[0]) if mask[r].any()]
+    for rows, half, kept in ((holding[0::2], a, ba), (holding[1::2], b, bb)):
+        for r in range(shape[0]):
+            want = weights[r] if r in rows else torch.zeros_like(weights[r])
+            assert torch.equal(half[r], want) and torch.equal(kept["loss_mask"][r] != 0, want != 0)
+
+
+def test_packed_halves_keep_every_other_sequence_and_join_the_others_to_the_one_before():
+    """A packed row with several sequences that hold loss tokens: each run keeps every other
+    such sequence whole, and its boundaries change so that each dropped sequence joins the
+    kept one before it (causal attention: the kept tokens see nothing new), with the
+    per-sequence ids and ``max_seqlen`` following: a loss that divides by its number of
+    sequences sees another count in each run."""
+    cu = torch.tensor([0, 3, 5, 9, 12, 14], dtype=torch.int32)  # 14..15: padding
+    mask = torch.ones(1, 16)
+    mask[0, 14:] = 0
+    mask[0, 5:9] = 0  # sequence 2 holds no loss token
+    weights = mask * torch.arange(1.0, 17.0)
+    batch = {"loss_mask": mask, "cu_seqlens": cu, "cu_seqlens_padded": cu.clone(),
+             "group_ids": torch.tensor([7, 8, 9, 10, 11]), "max_seqlen": 4}  # fmt: skip
+    (ba, a), (bb, b) = _halves(batch, weights, id_keys=("group_ids",))
+    assert torch.equal(a + b, weights)
+    # Sequences holding loss tokens: 0, 1, 3, 4; run 0 keeps 0 and 3, run 1 keeps 1 and 4.
+    assert torch.equal(a != 0, (weights != 0) & ((torch.arange(16) < 3) | (torch.arange(16) >= 9)
+                                                  & (torch.arange(16) < 12)))  # fmt: skip
+    assert ba["cu_seqlens"].tolist() == [0, 9, 14] and ba["cu_seqlens"].dtype == torch.int32
+    assert bb["cu_seqlens"].tolist() == [0, 3, 12, 14]
+    assert ba["cu_seqlens_padded"].tolist() == [0, 9, 14]  # the same boundaries, any key
+    assert ba["group_ids"].tolist() == [7, 10] and bb["group_ids"].tolist() == [7, 8, 11]
+    assert (ba["max_seqlen"], bb["max_seqlen"]) == (9, 9)
+    assert torch.equal(ba["loss_mask"] + bb["loss_mask"], mask)
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 9, 12, 14]  # the input as it was
+
+
+@pytest.mark.parametrize(
+    "cu", [[0, 16], [0, -1, -1], [0, 8, 4, 16]], ids=["one-sequence", "padded", "unordered"]
+)
+def test_packed_rows_the_halves_cannot_cut_by_sequence_alternate_tokens(cu):
+    """One sequence holding loss tokens, or boundaries in another convention: every other loss
+    token, the mask doubled, the boundaries left alone."""
+    mask = torch.ones(1, 16)
+    batch = {"loss_mask": mask, "cu_seqlens": torch.tensor(cu)}
+    (ba, a), (bb, b) = _halves(batch, mask.clone())
+    assert ba["cu_seqlens"] is batch["cu_seqlens"] and bb["cu_seqlens"] is batch["cu_seqlens"]
+    assert a.reshape(-1).tolist() == [1.0, 0.0] * 8 and torch.equal(a + b, mask)
+    assert torch.equal(ba["loss_mask"], 2 * mask)

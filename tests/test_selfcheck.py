@@ -145,6 +145,60 @@ def _mask_mean_loss(mask, output_tensor, **_):
     return (output_tensor * mask).sum() / mask.sum().clamp(min=1), {}
 
 
+def _raw_count_loss(batch, output_tensor, **_):
+    """The plugin's weighted sum, then divided by the micro-batch's raw loss-mask count: the
+    habit of anyone who normalized by tokens before."""
+    from megatron_lossfix.runtime.losses import weighted_loss
+
+    loss, num_tokens, report = weighted_loss(batch["loss_weights"], output_tensor)
+    return loss / batch["loss_mask"].sum(), num_tokens, report
+
+
+def _per_sequence_loss(batch, output_tensor, **_):
+    """The weighted sum divided by the micro-batch's number of sequences (its rows; packed: its
+    ``cu_seqlens`` sequences)."""
+    from megatron_lossfix.runtime.losses import weighted_loss
+
+    loss, num_tokens, report = weighted_loss(batch["loss_weights"], output_tensor)
+    cu_seqlens = batch.get("cu_seqlens")
+    sequences = len(batch["tokens"]) if cu_seqlens is None else len(cu_seqlens) - 1
+    return loss / sequences, num_tokens, report
+
+
+def _mask_share_loss(batch, output_tensor, **_):
+    """The weighted sum scaled by another quantity of its own micro-batch: the share of its
+    positions that are loss tokens."""
+    from megatron_lossfix.runtime.losses import weighted_loss
+
+    loss, num_tokens, report = weighted_loss(batch["loss_weights"], output_tensor)
+    return loss * batch["loss_mask"].float().mean(), num_tokens, report
+
+
+def _sequence_statistic_loss(batch, output_tensor, **_):
+    """A right loss that reads its mask: each token's loss times its sequence's mean loss over
+    the mask (a statistic over the whole sequence, as GSPO's ratio), weighed by the plugin's
+    weights. The check must pass it."""
+    from megatron_lossfix.runtime.losses import weighted_sum
+    from megatron_lossfix.runtime.weights import segment_ids
+
+    mask, losses = batch["loss_mask"].float(), output_tensor.float()
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        index = torch.arange(len(mask))[:, None].expand(mask.shape)
+    else:
+        index = segment_ids(cu_seqlens, mask.shape[-1])[0].expand(mask.shape)
+    flat = index.reshape(-1)
+    size = int(flat.max()) + 1
+    sums = torch.zeros(size).index_add(0, flat, (mask * losses).reshape(-1))
+    counts = torch.zeros(size).index_add(0, flat, mask.reshape(-1))
+    means = (sums / counts.clamp(min=1))[flat].view(mask.shape)
+    return weighted_sum(losses * means, batch["loss_weights"]), {}
+
+
+WRONG = {"raw_count": _raw_count_loss, "per_sequence": _per_sequence_loss,
+         "mask_share": _mask_share_loss}  # fmt: skip
+
+
 def _broadcast_first_stage_batch(data_iterator, rows: int) -> dict:
     """Megatron-LM's ``get_batch_on_this_tp_rank`` on a first (non-loss) pipeline stage: TP rank
     0 reads, the others receive into buffers of the configured micro-batch shape."""
@@ -189,6 +243,10 @@ def _forward_step(loss: str, counter: list, broadcast_rows, data_iterator, model
         )
     if loss == "mask_mean":
         return output, partial(_mask_mean_loss, batch["loss_mask"])
+    if loss in WRONG:
+        return output, partial(WRONG[loss], batch)
+    if loss == "sequence_statistic":
+        return output, partial(_sequence_statistic_loss, batch)
     return output, partial(weighted_loss, batch.get("loss_weights", batch.get("loss_mask")))
 
 
@@ -436,6 +494,10 @@ FAILING = [
     ("dp2-m12-per-token-double", Layout(), 2, 12, {"loss": "double", "per_token": True}),
     ("dp2-m2-packed-mask-mean", Layout(), 2, 2, {"loss": "mask_mean", "packed": True}),
     ("pp2-m24-mask-mean", Layout(pp=2), 2, 24, {"loss": "mask_mean"}),
+    # The plugin's weights, then divided by the raw mask count or the number of sequences.
+    ("dp2-m12-per-token-raw-count", Layout(), 2, 12, {"loss": "raw_count", "per_token": True}),
+    ("pp2-m24-raw-count", Layout(pp=2), 2, 24, {"loss": "raw_count"}),
+    ("pp2-m4-packed-per-sequence", Layout(pp=2), 2, 4, {"loss": "per_sequence", "packed": True}),
     (
         "tp2-pp2-m4-broadcast-double",
         Layout(tp=2, pp=2),
@@ -455,6 +517,56 @@ def test_self_check_catches_split_dependent_losses(dist_pool, name, layout, worl
         assert "double scaling" in res["raised"] and "re-running the first step" in res["raised"]
         assert res["error"] > 1e-3
     assert len({res["error"] for res in results}) == 1  # one verdict: the same number everywhere
+
+
+def _wrong_losses_on_rank(cases: list[tuple]) -> dict[str, str]:
+    """Each case (name, micro-batches, options) on this rank's layout under the default
+    first-step check: ``stopped`` (the check's error) or ``passed``."""
+    out = {}
+    for name, m, options in cases:
+        res = _check_on_rank(Layout(), m, self_check=None, **options)
+        raised = res["raised"]
+        stopped = raised is not None and "double scaling" in raised
+        out[name] = "passed" if raised is None else "stopped" if stopped else raised
+    return out
+
+
+def wrong_loss_cases(world: int, moe: bool) -> dict[str, tuple]:
+    """Every loss of the test against every split a user ships, on ``world`` DP ranks: 24
+    sequences in micro-batches of 1 and 2 rows, and packed 3 to a micro-batch; the verdict the
+    check must reach (``passed`` only where the loss is the weighted sum, or one divided by
+    the 1 row of its micro-batch)."""
+    model = MOE if moe else {}
+    splits = {"mbs1": (24 // world, {}), "mbs2": (12 // world, {}),
+              "packed": (8 // world, {"packed": True})}  # fmt: skip
+    cases = {}
+    for loss in ("plugin", "sequence_statistic", "mask_mean", "double", *WRONG):
+        for split, (m, options) in splits.items():
+            right = loss in ("plugin", "sequence_statistic") or (
+                loss == "per_sequence" and split == "mbs1"
+            )
+            cases[f"{loss}-{split}"] = (m, {"loss": loss, **options, **model}, right)
+    return cases
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("world", [1, 2], ids=["1-rank", "dp2"])
+def test_the_default_check_stops_every_wrong_loss_at_any_micro_batch_size(dist_pool, world, moe):
+    """Issue-level promise: at micro-batch 1 and 2, packed or not, on one rank and DP2, dense
+    and MoE, the default check stops every loss that does not return the weighted sum (a mean
+    that ignores the weights; the weighted sum divided by its own weighted or raw token count,
+    or by its number of sequences; scaled by its share of loss tokens) and passes the plugin's
+    and a right one that takes a statistic over each sequence's mask (no false alarm)."""
+    cases = wrong_loss_cases(world, moe)
+    results = dist_pool.run(
+        _wrong_losses_on_rank, world, [(n, m, o) for n, (m, o, _) in cases.items()]
+    )
+    want = {name: "passed" if right else "stopped" for name, (_, _, right) in cases.items()}
+    for rank, got in enumerate(results):
+        print(f"world {world}, {'moe' if moe else 'dense'}, rank {rank}: {got}")
+        wrong = {name: (got[name], want[name]) for name in want if got[name] != want[name]}
+        assert not wrong, f"rank {rank}: (got, want): {wrong}"
 
 
 REDUCED_WRONGLY = [

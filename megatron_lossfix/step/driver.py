@@ -82,9 +82,10 @@ class Step:
         self.last_step: StepRecord | None = None
         """This rank's record of the last step: None before the first and after a step that
         raised (a refused one too)."""
-        self.weights_filter: Callable[[int, Any], Any] | None = None
-        """What the first-step check sets for its runs over halves of the loss tokens: micro-batch
-        ``k``'s weights are ``weights_filter(k, weights)`` (docs/design.md §9); None: as weighed."""
+        self.halves: Callable[[list, list], tuple[list, list]] | None = None
+        """What the first-step check sets for its runs over halves of the loss tokens: the loss
+        stage's forward steps get ``halves(batches, weights)``, the micro-batches and weights
+        halved alike, after the step weighed them whole (docs/design.md §9); None: as read."""
 
     def __call__(self, **call: Any) -> Any:
         self.last_step = None  # a step that raises leaves no record behind
@@ -144,16 +145,16 @@ class Step:
         real = counting = settings = None  # the passes over the loss stage's micro-batches
         if record.groups.is_last_stage:
             record.kept = kept_step(record, data)
-            weights = microbatch_weights(record, data)
-            if self.weights_filter is not None:
-                weights = [self.weights_filter(k, w) for k, w in enumerate(weights)]
+            weights, batches = microbatch_weights(record, data), data.batches
+            if self.halves is not None:
+                batches, weights = self.halves(batches, weights)
             record.mtp = mtp_weights(record, mtp_masks, agreed.mtp)
             scale = loss_factor(record)
             settings = PassSettings(
                 cfg, record.per_token, record.passthrough, scale, record.kept, record.mtp
             )
-            real = MicroBatches(data.batches, weights, cfg)
-            counting = MicroBatches(data.batches, weights, cfg)
+            real = MicroBatches(batches, weights, cfg)
+            counting = MicroBatches(batches, weights, cfg)
             iterators[-1] = real
         forward_step_func, log = call["forward_step_func"], PassLog()
         call["forward_step_func"] = wrap_forward_step(forward_step_func, real, settings, log)

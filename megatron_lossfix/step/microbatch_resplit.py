@@ -34,19 +34,129 @@ def resplit_plan(
     return shuffle
 
 
-def loss_token_half(which: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """The weights filter (``Step.weights_filter``) of run ``which`` (0 or 1) over halves of the
-    loss tokens: each micro-batch keeps the weights of its 1st, 3rd, 5th... loss token (run 0)
-    or of its 2nd, 4th... (run 1), in the order of its flattened weights, and zero elsewhere.
-    The two runs' weights add up to the step's; nothing is synchronized with the host."""
+def loss_token_half(
+    which: int,
+    *,
+    mask_key: str | None = "loss_mask",
+    cu_seqlens_key: str | None = "cu_seqlens",
+    id_keys: Sequence[str] = (),
+) -> Callable[[list, list[torch.Tensor]], tuple[list, list[torch.Tensor]]]:
+    """The micro-batches and weights of run ``which`` (0 or 1) over halves of the loss tokens
+    (``Step.halves``). The two runs' weights add up to the step's; each micro-batch's loss mask
+    (``mask_key``) changes with them, so that a loss dividing by a count of its own mask sees
+    another count in each run, while a statistic the loss takes over a whole sequence (a mean
+    over its mask, as GSPO's ratio) stays what it is in the normal run:
 
-    def half(k: int, weights: torch.Tensor) -> torch.Tensor:
-        nonzero = weights != 0
-        rank = nonzero.reshape(-1).cumsum(0).view(weights.shape)  # 1, 2, ... at loss tokens
-        keep = nonzero & (rank.remainder(2) == 1 - which)
-        return torch.where(keep, weights, torch.zeros((), dtype=weights.dtype))
+    * a micro-batch whose loss tokens lie in two or more sequences (rows; in a packed row, its
+      ``cu_seqlens_key`` sequences) keeps every other such sequence whole, its mask zeroed on
+      the others. A packed row's boundaries are rewritten so that each sequence it drops joins
+      the one before it (where causal attention cannot reach the kept tokens): a loss that
+      divides by its number of sequences sees another count too. Per-sequence ids
+      (``id_keys``) and a ``max_seqlen`` follow;
+    * a micro-batch of one sequence keeps every other loss token in its weights, and its mask
+      counts twice (each 1 becomes 2; a bool mask stays as it is): a mean over the mask is
+      unchanged, a division of the weighted sum by the mask's count is halved.
 
-    return half
+    A micro-batch without a mask of the weights' shape has its weights halved only."""
+
+    def halves(batches: list, weights: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+        out = [
+            _half(b, w, which, mask_key, cu_seqlens_key, id_keys)
+            for b, w in zip(batches, weights, strict=True)
+        ]
+        return [b for b, _ in out], [w for _, w in out]
+
+    return halves
+
+
+def _half(
+    batch: Any,
+    weights: torch.Tensor,
+    which: int,
+    mask_key: str | None,
+    cu_key: str | None,
+    id_keys: Sequence[str],
+) -> tuple[Any, torch.Tensor]:
+    """One micro-batch's half (:func:`loss_token_half`)."""
+    fields = batch if isinstance(batch, Mapping) else {}
+    mask = fields.get(mask_key) if mask_key else None
+    if not (isinstance(mask, torch.Tensor) and mask.shape == weights.shape):
+        mask = None
+    tokens = weights != 0 if mask is None else (weights != 0) | (mask != 0)
+    packed = _packed_sequences(fields.get(cu_key) if cu_key else None, tokens)
+    sequences = packed or _row_sequences(tokens)
+    changed: dict[str, Any] = {}
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    if sequences is not None:  # every other sequence holding loss tokens, whole
+        index, holding = sequences[0], sequences[1]
+        mine = holding[which::2]
+        keep = tokens & torch.isin(index, torch.tensor(mine, device=tokens.device))
+        if packed is not None:
+            changed = _joined_boundaries(fields, cu_key, id_keys, packed[2], mine)
+        if mask is not None:
+            changed[mask_key] = torch.where(keep, mask, torch.zeros((), dtype=mask.dtype))
+    else:  # every other loss token, in the order of the flattened weights; the mask doubled
+        rank = tokens.reshape(-1).cumsum(0).view(tokens.shape)  # 1, 2, ... at loss tokens
+        keep = tokens & (rank.remainder(2) == 1 - which)
+        if mask is not None and mask.dtype != torch.bool:
+            changed[mask_key] = mask * 2
+    half = torch.where(keep, weights, zero)
+    return ({**batch, **changed} if changed else batch), half
+
+
+def _row_sequences(tokens: torch.Tensor) -> tuple | None:
+    """``(row index per token, the rows holding loss tokens)`` of a ``[rows, seq]`` micro-batch
+    with loss tokens in two or more rows; else None."""
+    if tokens.dim() < 2 or tokens.shape[0] < 2:
+        return None
+    holding = [r for r, any_token in enumerate(tokens.reshape(len(tokens), -1).any(1)) if any_token]
+    index = torch.arange(len(tokens), device=tokens.device).view(-1, *[1] * (tokens.dim() - 1))
+    return (index.expand(tokens.shape), holding) if len(holding) >= 2 else None
+
+
+def _packed_sequences(cu_seqlens: Any, tokens: torch.Tensor) -> tuple | None:
+    """``(sequence index per token, the sequences holding loss tokens, boundaries)`` of a packed
+    ``[1, T]`` row whose ``cu_seqlens`` are plain cumulative lengths from 0, with two or more
+    sequences holding loss tokens; else None."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or tokens.dim() != 2:
+        return None
+    bounds = [int(c) for c in cu_seqlens.tolist()]  # the first step's check only: host values
+    total = tokens.shape[-1]
+    if tokens.shape[0] != 1 or len(bounds) < 3 or bounds[0] != 0 or bounds[-1] > total:
+        return None
+    if any(b > a for a, b in zip(bounds[1:], bounds, strict=False)):
+        return None  # not non-decreasing: some other convention (padded with -1, ...)
+    device = tokens.device
+    ends = torch.tensor(bounds[1:], device=device)
+    index = torch.searchsorted(ends, torch.arange(total, device=device), right=True)[None, :]
+    per_sequence = torch.zeros(len(bounds), dtype=torch.long, device=device)
+    per_sequence.index_add_(0, index[tokens], torch.ones_like(index[tokens]))
+    holding = [i for i, n in enumerate(per_sequence.tolist()[:-1]) if n > 0]
+    return (index, holding, bounds) if len(holding) >= 2 else None
+
+
+def _joined_boundaries(
+    batch: Mapping, cu_key: str, id_keys: Sequence[str], bounds: list[int], kept: list[int]
+) -> dict[str, Any]:
+    """A packed row's entries rewritten for the sequences ``kept``: each other sequence joins
+    the one before it (sequence 0 stays on its own: nothing is before it)."""
+    starts = sorted({0, *kept})
+    new = [bounds[i] for i in starts] + [bounds[-1]]
+    cu = batch[cu_key]
+    changed: dict[str, Any] = {}
+    for key, value in batch.items():  # the boundaries, under any key that holds them
+        if isinstance(value, torch.Tensor) and value.shape == cu.shape and torch.equal(value, cu):
+            changed[key] = torch.tensor(new, dtype=cu.dtype, device=cu.device)
+    for key in id_keys:  # one id per sequence: the kept ones' (a joined one takes its host's)
+        ids = batch.get(key)
+        if isinstance(ids, torch.Tensor) and ids.numel() == len(bounds) - 1:
+            changed[key] = ids.reshape(-1)[torch.tensor(starts, device=ids.device)]
+    if "max_seqlen" in batch:
+        longest = max(b - a for a, b in zip(new, new[1:], strict=False))
+        old = batch["max_seqlen"]
+        is_tensor = isinstance(old, torch.Tensor)
+        changed["max_seqlen"] = old.new_full(old.shape, longest) if is_tensor else longest
+    return changed
 
 
 def resplit(batches: Sequence[Any], plan: tuple, *, mask_key: str | None = "loss_mask") -> list:

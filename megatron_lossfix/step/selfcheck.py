@@ -398,12 +398,16 @@ def _reruns(
         if which is not None:
             kwargs["forward_step_func"] = _counting_tokens(kwargs["forward_step_func"], tokens,
                                                            which)  # fmt: skip
-            step.weights_filter = loss_token_half(which)
+            cfg = step.config
+            ids = (cfg.group_ids_key, cfg.trajectory_ids_key)
+            step.halves = loss_token_half(
+                which, mask_key=cfg.loss_mask_key, cu_seqlens_key=cfg.cu_seqlens_key, id_keys=ids
+            )
         try:
             with rng_restored():
                 run(**kwargs)
         finally:
-            step.weights_filter = None
+            step.halves = None
         _unshard(chunks)
         sketch = sketch_gradients(params, shards)
         _return_freed_host_memory()
