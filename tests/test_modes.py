@@ -1,5 +1,6 @@
-"""The table of modes (``megatron_lossfix.runtime.modes``): complete, the only place that names a
-mode, and what docs/modes.md, the flags and the audit list."""
+"""The table of modes (``megatron_lossfix.runtime.modes``, its records checked by
+``mode_record.check_table``): complete, the only place that names a mode, and what
+docs/modes.md, the flags and the audit list."""
 
 from __future__ import annotations
 
@@ -13,15 +14,13 @@ import pytest
 import torch
 
 from megatron_lossfix.runtime import modes
+from megatron_lossfix.runtime.mode_record import Alias, Count, Ids, Mode, check_table
 from megatron_lossfix.runtime.modes import (
     ALIAS_RECORDS,
     ALIASES,
     DEFAULT_MODE,
     MODE_RECORDS,
     MODES,
-    Count,
-    Ids,
-    check_table,
 )
 
 pytestmark = pytest.mark.unit
@@ -32,11 +31,11 @@ PACKAGE = REPO / "megatron_lossfix"
 NOT_RUNTIME = ("audit", "integrations", "rl")
 
 
-def _record(name: str) -> modes.Mode:
+def _record(name: str) -> Mode:
     return next(m for m in MODE_RECORDS if m.name == name)
 
 
-def _replaced(name: str, **changes: object) -> tuple[modes.Mode, ...]:
+def _replaced(name: str, **changes: object) -> tuple[Mode, ...]:
     return tuple(dataclasses.replace(m, **changes) if m.name == name else m for m in MODE_RECORDS)
 
 
@@ -74,7 +73,7 @@ def test_an_incomplete_record_fails_the_check(case):
 
 
 def test_aliases_and_default_must_name_plugin_modes():
-    stray = modes.Alias(name="x_mean", mode="off", origin="nowhere")
+    stray = Alias(name="x_mean", mode="off", origin="nowhere")
     with pytest.raises(ValueError, match="alias 'x_mean'"):
         check_table(MODE_RECORDS, (*ALIAS_RECORDS, stray), DEFAULT_MODE)
     with pytest.raises(ValueError, match="default 'off'"):

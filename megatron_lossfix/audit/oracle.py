@@ -262,7 +262,8 @@ def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]]
     ``group_mean`` (``prompt_mean``) over the global batch's prompt groups. Every rank computes
     them for the whole mini-batch it holds (``rank_local``)."""
     from megatron_lossfix.runtime.losses import loss_weights
-    from megatron_lossfix.runtime.modes import Ids, mode_of
+    from megatron_lossfix.runtime.mode_record import Ids
+    from megatron_lossfix.runtime.modes import mode_of
 
     target = "token_mean" if mode == "off" else mode_of(mode).name
     record = mode_of(target)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.runtime.mask_in_loss import kept_weights
-from megatron_lossfix.runtime.modes import Ids, mode_of, modes_reading
+from megatron_lossfix.runtime.mode_record import Ids
+from megatron_lossfix.runtime.modes import mode_of, modes_reading
 from megatron_lossfix.runtime.process_groups import group_size, same_on_every_rank
 from megatron_lossfix.runtime.prompt_groups import (
     GroupIds,

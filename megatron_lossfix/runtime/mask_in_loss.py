@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lossfix.runtime.modes import Count, KeptPart, mode_of
+from megatron_lossfix.runtime.mode_record import Count, KeptPart
+from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import group_size
 from megatron_lossfix.runtime.prompt_groups import GroupIds, group_tokens
 from megatron_lossfix.runtime.weights import StepCounts, weights_from_counts

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lossfix.runtime.modes import Ids, mode_of, modes_reading, quoted_with_aliases
+from megatron_lossfix.runtime.mode_record import Ids
+from megatron_lossfix.runtime.modes import mode_of, modes_reading, quoted_with_aliases
 
 __all__ = [
     "TRAJECTORY_MODES",
@@ -52,7 +53,7 @@ class GroupIds:
 
 def ids_for_mode(reduction: str) -> str | None:
     """Which ids ``reduction`` weights by: ``"group"`` (needed), ``"trajectory"`` (optional)
-    or None (the record's :class:`~megatron_lossfix.runtime.modes.Ids`); ``ValueError`` for an
+    or None (the record's :class:`~megatron_lossfix.runtime.mode_record.Ids`); ``ValueError`` for an
     unknown name."""
     return mode_of(reduction).ids.value
 

@@ -35,7 +35,8 @@ import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.mask_in_loss import KeptCounts, KeptStep, Phase
-from megatron_lossfix.runtime.modes import megatron_normalizes, mode_of
+from megatron_lossfix.runtime.mode_record import megatron_normalizes
+from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups
 from megatron_lossfix.runtime.prompt_groups import GroupIds
 from megatron_lossfix.runtime.weights import StepCounts, count_tokens

@@ -43,7 +43,8 @@ from megatron_lossfix.integrations.megatron_lm import rl_steps as megatron_lm_rl
 from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
 from megatron_lossfix.integrations.megatron_lm.cpu import enable_cpu_megatron_lm
 from megatron_lossfix.runtime.config import LossFixConfig
-from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, Ids, mode_of
+from megatron_lossfix.runtime.mode_record import Ids
+from megatron_lossfix.runtime.modes import ALIASES, MODE_RECORDS, STOCK, mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups
 from megatron_lossfix.step.selfcheck import left_out
 

@@ -52,7 +52,8 @@ from megatron_lossfix.integrations.megatron_lm.metrics import (
 )
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.losses import weighted_loss
-from megatron_lossfix.runtime.modes import megatron_normalizes, mode_of
+from megatron_lossfix.runtime.mode_record import megatron_normalizes
+from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import StepGroups, group_size
 from megatron_lossfix.step.megatron_compat import (
     model_parallel_groups,

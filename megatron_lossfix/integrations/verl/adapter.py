@@ -36,12 +36,15 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.step.selfcheck import left_out
+
+if TYPE_CHECKING:
+    from megatron_lossfix.step.schedule import LossFixSchedule
 
 __all__ = [
     "ENV",
@@ -186,34 +189,14 @@ def _local_tokens(loss_mask: torch.Tensor) -> torch.Tensor:
     return local["loss_mask"].sum().to(torch.int)
 
 
-def forward_backward_batch(
-    engine: Any,
-    data: Any,
-    loss_function: Callable | None,
-    forward_only: bool = False,
-    *,
-    reduction: str | LossFixConfig | None = None,
-) -> Any:
-    """verl's ``MegatronEngine.forward_backward_batch`` through the plugin's schedule.
-
-    ``reduction``: a plugin mode or configuration; by default the ``MEGATRON_LOSSFIX_VERL``
-    switch, else verl's ``loss_agg_mode`` from the loss function's bound actor config.
-    """
-    if forward_only or loss_function is None:
-        return released_forward_backward_batch()(engine, data, loss_function, forward_only)
+def _micro_batches(engine: Any, data: Any) -> tuple[list, Any]:
+    """The mini-batch cut into micro-batches as verl cuts them (``prepare_micro_batches``), and
+    their indices into it; ``data`` and each micro-batch carry the non-tensor fields verl's loss
+    functions read."""
     from megatron.core import parallel_state as mpu
     from verl.utils import tensordict_utils as tu
-    from verl.utils.megatron.pipeline_parallel import make_batch_generator
-    from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+    from verl.workers.engine.utils import prepare_micro_batches
 
-    from megatron_lossfix.step.schedule import LossFixSchedule
-
-    if engine.engine_config.dynamic_context_parallel:
-        raise NotImplementedError(
-            "megatron_lossfix's verl adapter does not support dynamic_context_parallel; "
-            f"turn it off or unset {ENV}"
-        )
-    config = _config_of(loss_function, reduction)
     tu.assign_non_tensor(data, sp_size=engine.engine_config.context_parallel_size)
     # verl's loss functions read these (metrics only, once agg_loss is the weighted sum): one
     # replica, and a count that tells them the loss is already global (sum its metrics).
@@ -230,7 +213,12 @@ def forward_backward_batch(
     )
     for micro_batch in micro_batches:
         tu.assign_non_tensor(micro_batch, num_micro_batch=len(micro_batches))
-    batches = [{config.loss_mask_key: _loss_mask(mb), "verl_batch": mb} for mb in micro_batches]
+    return micro_batches, indices
+
+
+def _forward_step(engine: Any, loss_function: Callable, config: LossFixConfig) -> Callable:
+    """The schedule's ``forward_step``: verl's own, its loss written as the plugin wants it
+    (:func:`_postprocess`) with the micro-batch's weights."""
 
     def forward_step(data_iterator: Any, model: Any) -> tuple:
         batch = next(data_iterator)
@@ -249,6 +237,13 @@ def forward_backward_batch(
             postprocess_micro_batch_func=post,
         )
 
+    return forward_step
+
+
+def _schedule(config: LossFixConfig) -> LossFixSchedule:
+    """The plugin's schedule for one call of the adapter."""
+    from megatron_lossfix.step.schedule import LossFixSchedule
+
     # A schedule per call: every step would be its first; the check runs only when asked.
     if config.self_check is None:
         left_out(
@@ -256,8 +251,38 @@ def forward_backward_batch(
             "the adapter writes the loss from verl's and builds a schedule per call (every "
             "step would be its first); LossFixConfig(self_check=True) checks every step",
         )
-    checked = dataclasses.replace(config, self_check=bool(config.self_check))
-    losses_reduced = LossFixSchedule(checked)(
+    return LossFixSchedule(dataclasses.replace(config, self_check=bool(config.self_check)))
+
+
+def forward_backward_batch(
+    engine: Any,
+    data: Any,
+    loss_function: Callable | None,
+    forward_only: bool = False,
+    *,
+    reduction: str | LossFixConfig | None = None,
+) -> Any:
+    """verl's ``MegatronEngine.forward_backward_batch`` through the plugin's schedule.
+
+    ``reduction``: a plugin mode or configuration; by default the ``MEGATRON_LOSSFIX_VERL``
+    switch, else verl's ``loss_agg_mode`` from the loss function's bound actor config.
+    """
+    if forward_only or loss_function is None:
+        return released_forward_backward_batch()(engine, data, loss_function, forward_only)
+    from megatron.core import parallel_state as mpu
+    from verl.utils.megatron.pipeline_parallel import make_batch_generator
+    from verl.workers.engine.utils import postprocess_batch_func
+
+    if engine.engine_config.dynamic_context_parallel:
+        raise NotImplementedError(
+            "megatron_lossfix's verl adapter does not support dynamic_context_parallel; "
+            f"turn it off or unset {ENV}"
+        )
+    config = _config_of(loss_function, reduction)
+    micro_batches, indices = _micro_batches(engine, data)
+    batches = [{config.loss_mask_key: _loss_mask(mb), "verl_batch": mb} for mb in micro_batches]
+    forward_step = _forward_step(engine, loss_function, config)
+    losses_reduced = _schedule(config)(
         forward_step_func=forward_step,
         data_iterator=make_batch_generator(batches, vpp_size=len(engine.module)),
         model=engine.module,
