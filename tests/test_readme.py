@@ -119,9 +119,6 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ),
 )
 
-#: The installing steps of a ``&&`` chain, not run (see the module docstring).
-_INSTALL_STEP = re.compile(r"^(python3? -m venv \S+|\S*/bin/pip install .*)$")
-
 
 def _skip_reason(command: str) -> str | None:
     return next((why for part, why in SKIPPED if part in command), None)
@@ -142,7 +139,7 @@ def _runnable(command: str) -> str:
     """The command as this suite runs it: install steps dropped, interpreters substituted,
     briefly (:func:`_brief`)."""
     steps = [s.strip() for s in command.split(" && ")]
-    steps = [s for s in steps if not _INSTALL_STEP.match(s)]
+    steps = [s for s in steps if not doc_pages.INSTALL_STEP.match(s)]  # not run (docstring)
     python = shlex.quote(sys.executable)
     out = []
     for step in steps:
