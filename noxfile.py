@@ -3,12 +3,16 @@
     python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
 
 (that is what CI runs); ``nox -s tests-3.11`` runs one, and arguments after ``--`` replace
-pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
+pytest's selection (``-- tests/test_args.py``, ``-- -m unit``; in ``tests-3.11``, the one
+after the printed unit tier).
 
 * ``lint``: ``ruff check``, ``ruff format --check`` and the strict build of the documentation
   site (``mkdocs build --strict``: a broken link, anchor or public docstring fails it).
-* ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
-  depends on the release (``RELEASE_TESTS``).
+* ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11), in the
+  quick start's environment, made in a fresh clone as a reader makes it: the README's install
+  line, then getting started's unit-tier line, both read from the pages and run as printed
+  (the unit tier must pass there: ``quick_start_step``); then, with what Megatron-LM's code
+  needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
   SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
@@ -22,17 +26,19 @@ pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
 (``ahead``): pip waits mostly on the network and the disk, so ``lint`` starts them before its
 own checks (the 3.12 world's goes on during the 3.11 tests, the stack pages' during the suite),
-and Bridge's layer installs during the suite. The 3.11 world installs on its own. The 3.12
-world and the pages' lines each bring torch's CUDA build (5 to 8 GB installed): they install
-one after another, each page's virtualenv sharing the files it has in common with those before
-it (``SHARE_FILES``), so that the run needs about 25 GB of disk (docs/development.md).
+and Bridge's layer installs during the suite. The 3.11 world installs, and runs the unit
+tier, on its own. The 3.12 world and the pages' lines each bring torch's CUDA build (5 to 8 GB
+installed): they install one after another, each page's virtualenv sharing the files it has
+in common with those before it (``SHARE_FILES``), so that the run needs about 25 GB of disk
+(docs/development.md).
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
-megatron-core, this project with its test extras and what Megatron-LM's training scripts import.
-pytest runs on CPU/gloo with one worker per core of CI's two (pytest-xdist); a test file stays
-on one worker, so that its tests share their launches. The Megatron-LM tests read Megatron-LM's
-sources from the archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets it).
+megatron-core, this project with its test extras and what Megatron-LM's training scripts import
+(the 3.11 world adds them to what the pages' lines installed). pytest runs on CPU/gloo with
+one worker per core of CI's two (pytest-xdist); a test file stays on one worker, so that its
+tests share their launches. The Megatron-LM tests read Megatron-LM's sources from the
+archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets it).
 
 This file is the table of what runs where; how it runs is in ``.ci/``, beside it:
 ``nox_background.py`` (steps run beside a session: ``ahead``, ``collect``), ``nox_worlds.py``
@@ -53,14 +59,21 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(_HERE, ".ci"), os.path.join(_HERE, "tests")]
 from helpers import doc_pages  # noqa: E402
 from nox_background import Step, ahead, collect, started  # noqa: E402
-from nox_pages import page_lines, page_step, page_tree, run_page_tests  # noqa: E402
+from nox_pages import (  # noqa: E402
+    page_lines,
+    page_step,
+    page_tree,
+    quick_start_step,
+    quick_start_tree,
+    run_page_tests,
+    run_quick_start_tests,
+)
 from nox_worlds import (  # noqa: E402
     expose_pyenv_versions,
     extra,
     install,
     layer,
     setup_kwarg,
-    world,
     world_step,
 )
 
@@ -141,8 +154,8 @@ DEFAULT_RUN = not any(
 def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
     """What a world installs besides this project: what the project's ``[test]`` and
     ``[megatron-lm]`` installs would bring (read from ``setup.py``), pinned. The project
-    itself is installed by each session, not ahead: two editable builds at once (both worlds'
-    installs start together) would share its egg-info."""
+    itself is installed by the 3.12 sessions, not ahead: two editable builds of this tree at
+    once would share its egg-info (the 3.11 world's lines install it in their own clone)."""
     extras = ("triton", "transformers") if python == "3.11" else ()
     core = f"megatron-core=={release or LATEST[python]}"
     needs = (*setup_kwarg("install_requires"), *extra("test"))
@@ -186,7 +199,7 @@ def lint(session: nox.Session) -> None:
     """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra).
     In the default run it comes first, and starts both test worlds' installs beside it."""
     if DEFAULT_RUN:
-        ahead(session, world_step("3.11", _requirements("3.11")))
+        ahead(session, quick_start_step("3.11", _requirements("3.11")))
         ahead(session, world_step("3.12", _requirements("3.12")), *_page_steps())
     session.install(RUFF, *extra("docs"))
     session.run("ruff", "check", ".")
@@ -198,11 +211,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
-    """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
-    _install(session)
-    _pytest(session, *RELEASE_TESTS)
+    """The quick start's environment on Python 3.11 (megatron-core 0.16.1), made as the README
+    prints it, where getting started's unit tier runs as printed; then what depends on the
+    release there (Megatron-LM core_v0.16.1)."""
+    if not collect(session, "quick-start-3.11"):  # not started ahead: this session alone
+        ahead(session, quick_start_step("3.11", _requirements("3.11")))
+        collect(session, "quick-start-3.11")
+    run_quick_start_tests(session, "3.11", *PYTEST, *(session.posargs or RELEASE_TESTS))
     if DEFAULT_RUN:  # nothing later uses the world: its 2.3 GB go before the 3.12 suite runs
-        shutil.rmtree(world(session.python))
+        shutil.rmtree(quick_start_tree("3.11"))
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")

@@ -10,8 +10,11 @@ import os
 import shlex
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
-import nox
+if TYPE_CHECKING:  # nox only for the types: the tests import this module without it
+    import nox
+
 
 #: A step: its name, and its commands (each an argv), run one after another.
 Step = tuple[str, list[tuple[str, ...]]]

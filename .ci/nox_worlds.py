@@ -11,9 +11,12 @@ import glob
 import os
 import shutil
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import nox
 from nox_background import Step, collect
+
+if TYPE_CHECKING:  # nox only for the types: the tests import this module without it
+    import nox
 
 #: pip compiles every module it installs to bytecode (12,000 files a world); the tests import a
 #: fraction of them, which Python compiles on first import. The 3.11 world installed in 40 s
