@@ -3,53 +3,79 @@
     python3 -m venv .ci-venv && .ci-venv/bin/pip install -q nox && .ci-venv/bin/nox
 
 (that is what CI runs); ``nox -s tests-3.11`` runs one, and arguments after ``--`` replace
-pytest's selection (``-- tests/test_args.py``, ``-- -m unit``).
+pytest's selection (``-- tests/test_args.py``, ``-- -m unit``; in ``tests-3.11``, the one
+after the printed unit tier).
 
 * ``lint``: ``ruff check``, ``ruff format --check`` and the strict build of the documentation
   site (``mkdocs build --strict``: a broken link, anchor or public docstring fails it).
-* ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11) runs what
-  depends on the release (``RELEASE_TESTS``).
+* ``tests-3.11``: Python 3.11 with megatron-core 0.16.1 (the last release for 3.11), in the
+  quick start's environment, made in a fresh clone as a reader makes it: the README's install
+  line, then getting started's unit-tier line, both read from the pages and run as printed
+  (the unit tier must pass there: ``quick_start_step``); then, with what Megatron-LM's code
+  needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
-  Bridge's tests (in a virtualenv layered over the suite's, ``_layer``) and each stack's (verl,
+  Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
   SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
   (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
-  page prints it (``_stack_ahead``; slime's from the source ``SLIME_SOURCE`` names,
+  page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
   which ``.ci/run`` sets: slime is not on the package index, and without it its tests skip).
 
+* ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone.
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
-(``_ahead``): pip waits mostly on the network and the disk, so ``lint`` starts them before its
+(``ahead``): pip waits mostly on the network and the disk, so ``lint`` starts them before its
 own checks (the 3.12 world's goes on during the 3.11 tests, the stack pages' during the suite),
-and Bridge's layer installs during the suite. The 3.11 world installs on its own. The 3.12
-world and the pages' lines each bring torch's CUDA build (5 to 8 GB installed): they install
-one after another, each page's virtualenv sharing the files it has in common with those before
-it (``SHARE_FILES``), so that the run needs about 25 GB of disk (docs/development.md).
+and Bridge's layer installs during the suite. The 3.11 world installs, and runs the unit
+tier, on its own. The 3.12 world and the pages' lines each bring torch's CUDA build (5 to 8 GB
+installed): they install one after another, each page's virtualenv sharing the files it has
+in common with those before it (``SHARE_FILES``), so that the run needs about 25 GB of disk
+(docs/development.md).
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
-megatron-core, this project with its test extras and what Megatron-LM's training scripts import.
-pytest runs on CPU/gloo with one worker per core of CI's two (pytest-xdist); a test file stays
-on one worker, so that its tests share their launches. The Megatron-LM tests read Megatron-LM's
-sources from the archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets it).
+megatron-core, this project with its test extras and what Megatron-LM's training scripts import
+(the 3.11 world adds them to what the pages' lines installed). pytest runs on CPU/gloo with
+one worker per core of CI's two (pytest-xdist); a test file stays on one worker, so that its
+tests share their launches. The Megatron-LM tests read Megatron-LM's sources from the
+archives that ``MEGATRON_LM_ARCHIVES`` names (``.ci/run`` sets it).
+
+This file is the table of what runs where; how it runs is in ``.ci/``, beside it:
+``nox_background.py`` (steps run beside a session: ``ahead``, ``collect``), ``nox_worlds.py``
+(the worlds' virtualenvs: ``setup.py``'s requirements, a world installed ahead, ``layer``) and
+``nox_pages.py`` (the pages' install lines in fresh copies of the tree, ``SHARE_FILES``).
 """
 
 from __future__ import annotations
 
-import ast
-import glob
 import os
-import re
-import shlex
 import shutil
-import subprocess
 import sys
-import time
 
 import nox
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-from helpers import doc_pages  # noqa: E402 (the pages' commands, as the tests read them)
+# The machinery beside this table (.ci/nox_*.py), and the pages' commands as the tests read them.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_HERE, ".ci"), os.path.join(_HERE, "tests")]
+from helpers import doc_pages  # noqa: E402
+from nox_background import Step, ahead, collect, started  # noqa: E402
+from nox_pages import (  # noqa: E402
+    page_lines,
+    page_step,
+    page_tree,
+    quick_start_step,
+    quick_start_tree,
+    run_page_tests,
+    run_quick_start_tests,
+)
+from nox_worlds import (  # noqa: E402
+    expose_pyenv_versions,
+    extra,
+    install,
+    layer,
+    setup_kwarg,
+    world_step,
+)
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_missing_interpreters = True
@@ -94,10 +120,6 @@ UPSTREAM_TEST_DEPS = ("pytest-mock",)
 #: which every test skipped (a missing dependency) fails.
 PYTEST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "-q", "-rs",
           "--durations=20", "--fail-if-none-ran")  # fmt: skip
-#: pip compiles every module it installs to bytecode (12,000 files a world); the tests import a
-#: fraction of them, which Python compiles on first import. The 3.11 world installed in 40 s
-#: with this, 117 s without.
-NO_COMPILE = ("--no-compile",)
 #: Megatron Bridge cannot share the suite's virtualenv (it brings an nvidia-resiliency-ext that
 #: breaks a plain ``import megatron.core``): it gets a virtualenv layered over the suite's.
 BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
@@ -120,60 +142,30 @@ PAGE_TESTS = {
 STACK_COMMANDS_TESTS = ("tests/test_readme_stacks.py",)
 
 
-def _expose_pyenv_versions() -> None:
-    """With pyenv, ``python3.12`` is a shim that answers only for the active versions; activate
-    the newest installed 3.11 and 3.12 so that nox finds both interpreters."""
-    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
-        return
-    versions = [
-        os.path.basename(path)
-        for minor in LATEST
-        for path in sorted(glob.glob(os.path.join(root, "versions", f"{minor}.*")))[-1:]
-    ]
-    if versions:
-        os.environ["PYENV_VERSION"] = ":".join(versions)
-
-
-_expose_pyenv_versions()
-
+expose_pyenv_versions(LATEST)
 
 #: Whether this is the default run (no session named), in which ``lint`` comes first and may
 #: start the test worlds' installs ahead.
 DEFAULT_RUN = not any(
     arg.startswith(("-s", "--session", "-e", "-k", "-t", "--tag")) for arg in sys.argv[1:]
 )
-#: Steps started by ``_ahead`` and not yet collected: name -> (process, log, status file).
-_AHEAD: dict[str, tuple[subprocess.Popen, str, str]] = {}
-_SITE = "import site; print(site.getsitepackages()[0])"
 
 
 def _requirements(python: str, release: str | None = None) -> tuple[str, ...]:
     """What a world installs besides this project: what the project's ``[test]`` and
     ``[megatron-lm]`` installs would bring (read from ``setup.py``), pinned. The project
-    itself is installed by each session, not ahead: two editable builds at once (both worlds'
-    installs start together) would share its egg-info."""
-    extra = ("triton", "transformers") if python == "3.11" else ()
+    itself is installed by the 3.12 sessions, not ahead: two editable builds of this tree at
+    once would share its egg-info (the 3.11 world's lines install it in their own clone)."""
+    extras = ("triton", "transformers") if python == "3.11" else ()
     core = f"megatron-core=={release or LATEST[python]}"
-    needs = (*_setup_kwarg("install_requires"), *_extra("test"))
-    return TORCH, core, *needs, *_extra("megatron-lm"), *UPSTREAM_TEST_DEPS, *extra
-
-
-def _world(python: str) -> str:
-    """The folder of the ``python`` world that an earlier session builds ahead."""
-    return os.path.abspath(os.path.join(".nox", f"world-{python}"))
+    needs = (*setup_kwarg("install_requires"), *extra("test"))
+    return TORCH, core, *needs, *extra("megatron-lm"), *UPSTREAM_TEST_DEPS, *extras
 
 
 def _install(session: nox.Session, release: str | None = None) -> None:
-    """This world's packages; when ``lint`` started them ahead (``.nox/world-<python>``), this
-    session's virtualenv sees those (as a ``_layer`` does) and pip finds all but the project."""
-    world = _world(session.python)
-    if _collect(session, f"world-{session.python}"):
-        _see(session, os.path.join(world, "bin", "python"), "python")
-        # Its console scripts (torchrun, ...) too: nox puts this virtualenv's own before them.
-        path = session.env.get("PATH", os.environ["PATH"])
-        session.env["PATH"] = os.pathsep.join([os.path.join(world, "bin"), path])
-    session.install(*NO_COMPILE, *_requirements(session.python, release), "-e", ".[test]")
+    """This world's packages and the project with its test extras (the world's, when ``lint``
+    started them ahead)."""
+    install(session, *_requirements(session.python, release), "-e", ".[test]")
 
 
 def _pytest(session: nox.Session, *selection: str, python: str = "python") -> None:
@@ -181,179 +173,25 @@ def _pytest(session: nox.Session, *selection: str, python: str = "python") -> No
     session.run(python, *args, external=python != "python")
 
 
-def _layer(session: nox.Session, name: str) -> str:
-    """A new virtualenv ``.nox/<name>`` that sees this session's packages after its own (a
-    ``.pth`` file), so that torch and megatron-core are not installed again (about 80 s of CPU
-    and 4.7 GB each); pip installs into it what it lacks. Returns its Python."""
-    venv = os.path.abspath(os.path.join(".nox", name))
-    session.run("python", "-m", "venv", "--clear", venv)
-    python = os.path.join(venv, "bin", "python")
-    _see(session, "python", python)
-    return python
-
-
-def _see(session: nox.Session, below: str, above: str) -> None:
-    """Let the Python ``above`` import what the Python ``below`` has installed, after its own."""
-    sites = [session.run(python, "-c", _SITE, silent=True, external=True).strip()
-             for python in (below, above)]  # fmt: skip
-    with open(os.path.join(sites[1], "_layer.pth"), "w") as f:
-        f.write(f"import site; site.addsitedir({sites[0]!r})\n")
-
-
-def _ahead(session: nox.Session, *steps: tuple[str, list[tuple[str, ...]]]) -> None:
-    """Run ``steps`` (``(name, commands)``) one after another in a process of their own (with
-    the session's environment) while the session goes on; ``_collect(session, name)`` waits for
-    the step ``name``. A step's commands run one after another, in a subshell (a ``cd`` stays
-    in it), into the log ``.nox/<name>.log``; a step that fails leaves the next to run."""
-    # nox marks a variable to unset with None (PYTHONHOME, ...).
-    env = {k: v for k, v in {**os.environ, **session.env}.items() if v is not None}
-    files = {name: _step_files(name) for name, _ in steps}
-    script = []
-    for name, commands in steps:
-        for old in files[name]:
-            if os.path.exists(old):
-                os.remove(old)
-        run = " && ".join(shlex.join(command) for command in commands)
-        log, status = map(shlex.quote, files[name])
-        # The status file appears whole (a rename) once the step is over.
-        script.append(f"(set -x; {run}) > {log} 2>&1; echo $? > {status}.part; "
-                      f"mv {status}.part {status}")  # fmt: skip
-    process = subprocess.Popen(["bash", "-c", "\n".join(script)], env=env)
-    for name, (log, status) in files.items():
-        _AHEAD[name] = (process, log, status)
-        session.log(f"{name}: running beside the session (log: {log})")
-
-
-def _step_files(name: str) -> tuple[str, str]:
-    """The log of ``_ahead``'s step ``name`` and the file its exit status goes to."""
-    return tuple(os.path.abspath(os.path.join(".nox", name + ext)) for ext in (".log", ".status"))
-
-
-def _collect(session: nox.Session, name: str) -> bool:
-    """Wait for ``_ahead``'s step ``name`` and show its log; False when it was not started."""
-    if name not in _AHEAD:
-        return False
-    process, log, status = _AHEAD.pop(name)
-    session.log(f"{name}: waiting for it")
-    while not os.path.exists(status) and process.poll() is None:
-        time.sleep(1)
-    if os.path.exists(log):
-        with open(log) as f:
-            session.log(f.read())
-    if not os.path.exists(status):
-        session.error(f"{name}: its process ended (exit {process.returncode}) before it ran")
-    with open(status) as f:
-        code = int(f.read())
-    if code:
-        session.error(f"{name}: failed (exit {code}); its log is above")
-    return True
-
-
-def _setup_kwarg(name: str) -> object:
-    """The value of ``setup.py``'s keyword argument ``name``, read without running it."""
-    with open("setup.py", encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    value = next(
-        kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-        for kw in node.keywords if kw.arg == name
-    )  # fmt: skip
-    return ast.literal_eval(value)
-
-
-def _extra(name: str) -> list[str]:
-    """The requirements of ``setup.py``'s extra ``name``, read without installing the project
-    (the docs build reads the sources; it needs neither torch nor megatron-core)."""
-    return _setup_kwarg("extras_require")[name]
-
-
-def _world_step(python: str) -> tuple[str, list[tuple[str, ...]]]:
-    """The ``_ahead`` step that installs the ``python`` world into ``.nox/world-<python>``
-    (``_install`` uses it)."""
-    world = _world(python)
-    pip = (os.path.join(world, "bin", "python"), "-m", "pip", "install", "-q", *NO_COMPILE)
-    return f"world-{python}", [(f"python{python}", "-m", "venv", "--clear", world),
-                               (*pip, *_requirements(python))]  # fmt: skip
-
-
 def _stack_pages() -> list[tuple[str, str, str]]:
     """``(page, stack, line)`` of each page of ``STACK_PAGES`` and ``PAGE_TESTS`` whose install
-    line can run here: one that names an unset variable (``"$SLIME_SOURCE"``) is left out."""
-    out = []
-    for page in (*STACK_PAGES, *PAGE_TESTS):
-        stack, line = doc_pages.install_line(page)
-        unset = [name for name in re.findall(r"\$\{?(\w+)", line) if not os.environ.get(name)]
-        if unset:
-            print(f"nox > {page}: its install line needs {', '.join(unset)}; its stack's tests "
-                  "are left out (they skip)")  # fmt: skip
-            continue
-        out.append((page, stack, line))
-    return out
+    line can run here."""
+    return page_lines((*STACK_PAGES, *PAGE_TESTS))
 
 
-def _stack_tree(stack: str) -> str:
-    """``.nox/page-<stack>``: where the stack's page line runs, a copy of this tree."""
-    return os.path.abspath(os.path.join(".nox", f"page-{stack}"))
-
-
-def _copy_tree(dest: str) -> None:
-    """A fresh copy of this tree at ``dest``: the files a clone has (git's tracked and
-    not-ignored ones), without what earlier runs built (``.nox``, virtualenvs, egg-info)."""
-    shutil.rmtree(dest, ignore_errors=True)
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            capture_output=True, check=True).stdout  # fmt: skip
-    for name in filter(None, listed.decode().split("\0")):
-        if os.path.isfile(name):
-            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
-            shutil.copy2(name, os.path.join(dest, name))
-
-
-#: Run after each page's install line: the files its virtualenv has in common with the 3.12
-#: world's and the pages' before it (torch's CUDA build and its libraries: most of a page's 5
-#: to 8 GB) become hard links to theirs, so that the disk holds them once, not six times.
-#: util-linux's ``hardlink`` compares contents; ``-t``: whatever the times; ``-O``: the oldest
-#: copy stays (by default the newest does, and the world's libraries that the running suite
-#: has mapped would stay on the disk beside it until the suite ends: 6.8 GB more).
-SHARE_FILES = r"""
-venvs=()
-for venv in "$NOX_DIR"/world-3.12 "$NOX_DIR"/page-*/.venv-*; do
-    if [ -d "$venv" ]; then venvs+=("$venv"); fi
-done
-if command -v hardlink > /dev/null; then hardlink -t -O "${venvs[@]}"
-else echo "hardlink (util-linux) not found: each page's virtualenv keeps its own files"; fi
-"""
-
-
-def _page_step(stack: str, line: str) -> tuple[str, list[tuple[str, ...]]]:
-    """The ``_ahead`` step that runs the page's install line, as printed, in a fresh copy of
-    the tree (it makes ``.venv-<stack>`` there), then installs the test tools into that
-    virtualenv and shares its files with those before it (``SHARE_FILES``). pip compiles no
-    bytecode (``PIP_NO_COMPILE``, as for the worlds): what is installed is the same."""
-    tree = _stack_tree(stack)
-    _copy_tree(tree)
-    pip = (os.path.join(".venv-" + stack, "bin", "pip"), "install", "-q", "--no-compile")
-    tools = [r for r in _extra("test") if r.startswith("pytest")]
-    return f"page-{stack}", [
-        ("cd", tree), ("export", "PIP_NO_COMPILE=1", f"NOX_DIR={os.path.dirname(tree)}"),
-        ("bash", "-c", line), (*pip, *tools), ("bash", "-c", SHARE_FILES),
-    ]  # fmt: skip
-
-
-def _page_steps() -> list[tuple[str, list[tuple[str, ...]]]]:
-    """``_page_step`` of each page that ``_stack_pages`` gives."""
-    return [_page_step(stack, line) for _, stack, line in _stack_pages()]
+def _page_steps() -> list[Step]:
+    """The ``ahead`` step of each page that ``_stack_pages`` gives."""
+    return [page_step(stack, line) for _, stack, line in _stack_pages()]
 
 
 def _stack_tests(session: nox.Session, page: str, stack: str) -> None:
     """The stack's tests and the pages' stack commands (or the page's ``PAGE_TESTS``), with the
     Python of the virtualenv its page's line made, in that copy of the tree."""
-    tree = _stack_tree(stack)
-    python = os.path.join(tree, f".venv-{stack}", "bin", "python")
     tests = PAGE_TESTS.get(page) or [
         t for t in (f"tests/test_{stack}_stack.py", *STACK_COMMANDS_TESTS)
-        if os.path.isfile(os.path.join(tree, t))
+        if os.path.isfile(os.path.join(page_tree(stack), t))
     ]  # fmt: skip
-    with session.chdir(tree):
-        session.run(python, "-m", "pytest", *PYTEST, *tests, external=True)
+    run_page_tests(session, stack, *PYTEST, *tests)
 
 
 @nox.session(python="3.12", download_python="never")
@@ -361,9 +199,9 @@ def lint(session: nox.Session) -> None:
     """ruff, as pyproject.toml says; the documentation site's strict build (the [docs] extra).
     In the default run it comes first, and starts both test worlds' installs beside it."""
     if DEFAULT_RUN:
-        _ahead(session, _world_step("3.11"))
-        _ahead(session, _world_step("3.12"), *_page_steps())
-    session.install(RUFF, *_extra("docs"))
+        ahead(session, quick_start_step("3.11", _requirements("3.11")))
+        ahead(session, world_step("3.12", _requirements("3.12")), *_page_steps())
+    session.install(RUFF, *extra("docs"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     site = os.path.join(session.create_tmp(), "site")
@@ -373,11 +211,15 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(name="tests-3.11", python="3.11", download_python="never")
 def tests_311(session: nox.Session) -> None:
-    """What depends on the release, on megatron-core 0.16.1 (Megatron-LM core_v0.16.1)."""
-    _install(session)
-    _pytest(session, *RELEASE_TESTS)
+    """The quick start's environment on Python 3.11 (megatron-core 0.16.1), made as the README
+    prints it, where getting started's unit tier runs as printed; then what depends on the
+    release there (Megatron-LM core_v0.16.1)."""
+    if not collect(session, "quick-start-3.11"):  # not started ahead: this session alone
+        ahead(session, quick_start_step("3.11", _requirements("3.11")))
+        collect(session, "quick-start-3.11")
+    run_quick_start_tests(session, "3.11", *PYTEST, *(session.posargs or RELEASE_TESTS))
     if DEFAULT_RUN:  # nothing later uses the world: its 2.3 GB go before the 3.12 suite runs
-        shutil.rmtree(_world(session.python))
+        shutil.rmtree(quick_start_tree("3.11"))
 
 
 @nox.session(name="tests-3.12", python="3.12", download_python="never")
@@ -387,10 +229,10 @@ def tests_312(session: nox.Session) -> None:
     _install(session)
     stacks = [] if session.posargs else _stack_pages()
     if not session.posargs:
-        bridge = _layer(session, "bridge-3.12")
-        _ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
-        if not any(name.startswith("page-") for name in _AHEAD):  # this session alone
-            _ahead(session, *_page_steps())
+        bridge = layer(session, "bridge-3.12")
+        ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
+        if not started("page-"):  # this session alone
+            ahead(session, *_page_steps())
     stack_tests = [f"tests/test_{stack}_stack.py" for stack in
                    (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
@@ -399,15 +241,15 @@ def tests_312(session: nox.Session) -> None:
             *(f"--deselect={test}" for test in elsewhere))  # fmt: skip
     if session.posargs:
         return
-    _collect(session, "bridge-3.12")
+    collect(session, "bridge-3.12")
     # Side by side: Bridge's tests are one file (one worker); the stacks' keep the other busy.
-    _ahead(session, ("bridge-tests", [(bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS)]))
+    ahead(session, ("bridge-tests", [(bridge, "-m", "pytest", *PYTEST, *BRIDGE_TESTS)]))
     try:
         for page, stack, _ in stacks:
-            _collect(session, f"page-{stack}")
+            collect(session, f"page-{stack}")
             _stack_tests(session, page, stack)
     finally:
-        _collect(session, "bridge-tests")
+        collect(session, "bridge-tests")
 
 
 @nox.session(python=False, default=False)
@@ -415,9 +257,9 @@ def stacks(session: nox.Session) -> None:
     """What ``tests-3.12`` does for the stacks after the suite, alone: each stack page's install
     line, as printed, in a fresh virtualenv of its own, then the stack's tests there."""
     pages = _stack_pages()
-    _ahead(session, *_page_steps())
+    ahead(session, *_page_steps())
     for page, stack, _ in pages:
-        _collect(session, f"page-{stack}")
+        collect(session, f"page-{stack}")
         _stack_tests(session, page, stack)
 
 

@@ -65,10 +65,14 @@ def _config(args: argparse.Namespace, per_token_loss: bool, bf16: bool) -> Any:
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     extra: dict[str, Any] = {}
-    if "cuda_graph_modules" in {f.name for f in dataclasses.fields(TransformerConfig)}:
-        # Its default, "full", warns that it is deprecated (megatron-core 0.19); the empty
-        # list means the same, the whole layer (no CUDA graph is captured here in any case).
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    # The CUDA-graph option's default, "full", warns that it is deprecated; the empty list
+    # means the same, the whole layer (no CUDA graph is captured here in any case). It is
+    # cuda_graph_modules from megatron-core 0.18, cuda_graph_scope before (deprecated since).
+    if "cuda_graph_modules" in fields:
         extra.update(cuda_graph_modules=[])
+    elif "cuda_graph_scope" in fields:
+        extra.update(cuda_graph_scope=[])
     if virtual_stages(args):
         # Megatron-LM's interleaved settings: batched p2p with PP=2 pairs sends and receives
         # of the same peer crossed (Megatron-LM #750, #1450).

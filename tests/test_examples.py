@@ -425,8 +425,9 @@ def test_pretrain_gpt_mtp_moe_layouts_agree(runs, reduction):
 @pytest.mark.unit
 def test_the_examples_model_config_warns_nothing():
     """The examples' ``TransformerConfig`` (the quick start's model) sets no deprecated option:
-    megatron-core 0.19's default ``cuda_graph_modules="full"`` warned "full scope is deprecated"
-    in every run, and the examples now pass the empty list, which means the same."""
+    the CUDA-graph option's default, ``"full"`` (``cuda_graph_scope`` up to megatron-core 0.17,
+    ``cuda_graph_modules`` from 0.18), warned "full scope is deprecated" in every run, and the
+    examples now pass the empty list, which means the same."""
     import warnings
 
     import megatron.core.transformer  # noqa: F401 (its import-time warnings are not the config's)

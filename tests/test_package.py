@@ -159,8 +159,8 @@ def _ruff(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 #: What the project's lint covers (pyproject.toml's ruff ``include``).
-PROJECT_FILES = ("megatron_lossfix/", "tests/", "examples/", "docs/", "noxfile.py", "setup.py",
-                 "pyproject.toml")  # fmt: skip
+PROJECT_FILES = ("megatron_lossfix/", "tests/", "examples/", "docs/", "noxfile.py", ".ci/",
+                 "setup.py", "pyproject.toml")  # fmt: skip
 
 
 def test_lint_checks_the_projects_own_files_only(tmp_path):

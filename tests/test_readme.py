@@ -30,6 +30,8 @@ fresh copy first on ``PYTHONPATH``.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import importlib.util
 import json
 import os
@@ -119,9 +121,6 @@ SKIPPED: tuple[tuple[str, str], ...] = (
     ),
 )
 
-#: The installing steps of a ``&&`` chain, not run (see the module docstring).
-_INSTALL_STEP = re.compile(r"^(python3? -m venv \S+|\S*/bin/pip install .*)$")
-
 
 def _skip_reason(command: str) -> str | None:
     return next((why for part, why in SKIPPED if part in command), None)
@@ -142,7 +141,7 @@ def _runnable(command: str) -> str:
     """The command as this suite runs it: install steps dropped, interpreters substituted,
     briefly (:func:`_brief`)."""
     steps = [s.strip() for s in command.split(" && ")]
-    steps = [s for s in steps if not _INSTALL_STEP.match(s)]
+    steps = [s for s in steps if not doc_pages.INSTALL_STEP.match(s)]  # not run (docstring)
     python = shlex.quote(sys.executable)
     out = []
     for step in steps:
@@ -176,6 +175,49 @@ def test_ci_runs_the_readme_test_command():
     for cmd in COMMANDS:
         if cmd.endswith("/bin/nox"):
             assert cmd == test_cmd, f"a page prints another test command: {cmd}"
+
+
+@pytest.mark.unit
+def test_ci_makes_the_quick_start_environment_as_printed(monkeypatch):
+    """CI's 3.11 world is the quick start's environment, made as a reader makes it: in a fresh
+    clone, the README's install line, then getting started's unit-tier line (the unit tier runs
+    there), each run as printed, read from its page (``doc_pages``) and retyped nowhere, with
+    Python 3.11 as the lines' ``python3``. The default run starts that step ahead (``lint``),
+    ``tests-3.11`` makes it when alone, and its tests run in that environment."""
+    install, unit = doc_pages.quick_start_install(), doc_pages.unit_tier_line()
+    assert install.startswith("python3 -m venv .venv && .venv/bin/pip install "), install
+    assert unit.endswith(" && .venv/bin/python -m pytest -m unit"), unit
+    monkeypatch.syspath_prepend(str(ROOT / ".ci"))
+    nox_pages = importlib.import_module("nox_pages")
+    monkeypatch.setattr(nox_pages, "fresh_clone", lambda dest: None)
+    name, commands = nox_pages.quick_start_step("3.11", ("a-requirement",))
+    lines = [i for i, command in enumerate(commands) if command[:2] == ("bash", "-c")]
+    assert [commands[i][2] for i in lines] == [install, unit], commands
+    # Before the lines: python3.11 makes a virtualenv whose python3 goes first on PATH, and the
+    # lines run in the fresh clone (where .venv is made).
+    assert commands[0][:3] == ("python3.11", "-m", "venv"), commands[0]
+    python3 = os.path.join(commands[0][-1], "bin")
+    before = commands[: lines[0]]
+    assert ("cd", nox_pages.quick_start_tree("3.11")) in before, before
+    assert any(
+        c[0] == "export" and any(a.startswith(f"PATH={python3}{os.pathsep}") for a in c)
+        for c in before
+    ), before
+    assert commands[-1][-1] == "a-requirement", commands[-1]  # the release's needs, after
+    nox_files = [ROOT / "noxfile.py", *sorted(ROOT.joinpath(".ci").glob("nox_*.py"))]
+    nox = "\n".join(path.read_text() for path in nox_files)
+    for line in (install, unit):
+        assert line not in nox, f"CI's nox files retype a page's line: {line}"
+    sessions = {
+        node.name: {call.func.id: call for call in ast.walk(node) if isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Name)}
+        for node in ast.parse(nox_files[0].read_text()).body if isinstance(node, ast.FunctionDef)
+    }  # fmt: skip
+    for session in ("lint", "tests_311"):
+        step = sessions[session].get("quick_start_step")
+        assert step and ast.literal_eval(step.args[0]) == "3.11", f"{session} skips the step"
+    runs = sessions["tests_311"].get("run_quick_start_tests")
+    assert runs and ast.literal_eval(runs.args[1]) == "3.11", "tests-3.11 runs elsewhere"
 
 
 @pytest.mark.unit

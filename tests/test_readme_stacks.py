@@ -32,13 +32,16 @@ import pytest
 from helpers import doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
+#: CI's nox run: the table of sessions, and the machinery beside it.
+NOX_FILES = (ROOT / "noxfile.py", *sorted(ROOT.joinpath(".ci").glob("nox_*.py")))
 
 
 def _nox_value(name: str) -> object:
-    """The value ``noxfile.py`` gives ``name``, read without importing nox."""
-    tree = ast.parse(ROOT.joinpath("noxfile.py").read_text())
+    """The value ``noxfile.py`` or its machinery (``.ci/nox_*.py``) gives ``name``, read
+    without importing nox."""
     return next(
-        ast.literal_eval(node.value) for node in tree.body
+        ast.literal_eval(node.value) for path in NOX_FILES
+        for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name
     )  # fmt: skip
 
@@ -98,7 +101,7 @@ def test_install_line_makes_its_own_312_env_from_the_extra(stack):
 @pytest.mark.unit
 def test_ci_runs_every_stack_pages_install_line_as_printed():
     """Every docs page with an install line is in ``STACK_PAGES`` or ``PAGE_TESTS`` (pages
-    besides the stacks' whose commands need an environment of their own); the noxfile reads each
+    besides the stacks' whose commands need an environment of their own); CI's nox reads each
     line from its page (``doc_pages.install_line``) and retypes none; a pinned stack's extra pins
     its release."""
     docs = sorted(
@@ -107,11 +110,11 @@ def test_ci_runs_every_stack_pages_install_line_as_printed():
     )  # fmt: skip
     pages = (*_nox_stack_pages(), *_nox_value("PAGE_TESTS"))
     assert sorted(pages) == docs
-    nox = ROOT.joinpath("noxfile.py").read_text()
+    nox = "\n".join(path.read_text() for path in NOX_FILES)
     assert "doc_pages.install_line(page)" in nox
     for page in pages:
         stack, line = doc_pages.install_line(page)
-        assert line not in nox and f".[{stack}]" not in nox, f"noxfile.py retypes {page}'s line"
+        assert line not in nox and f".[{stack}]" not in nox, f"CI's nox files retype {page}'s line"
     for name, requirements in _extras().items():
         if name in PINNED:
             assert any(r.startswith(f"{name}==") for r in requirements), (name, requirements)

@@ -93,18 +93,52 @@ def bash_lines() -> list[str]:
 #: The first command of a stack page: it makes the stack's own virtualenv, ``.venv-<stack>``,
 #: and installs into it what the page's commands need.
 INSTALL_LINE = re.compile(r"^python3\.12 -m venv \.venv-([\w-]+) && ")
+#: A step of a ``&&`` chain that installs: it makes a virtualenv or runs pip.
+INSTALL_STEP = re.compile(r"^(python3? -m venv \S+|\S*/bin/pip install .*)$")
+#: The quick start's line (the README's, repeated by getting started): it makes ``.venv`` with
+#: the reader's ``python3``, installs torch and this package into it, then trains.
+QUICK_START = re.compile(r"^python3 -m venv \.venv && ")
+#: Getting started's line that adds the test tools to ``.venv`` and runs the unit tier.
+UNIT_TIER = re.compile(r"^\.venv/bin/pip install .* && \.venv/bin/python -m pytest -m unit$")
+
+
+def _bash_lines(page: str | Path, pattern: re.Pattern[str]) -> set[str]:
+    """The distinct commands of ``page``'s ``bash`` blocks that ``pattern`` matches."""
+    return {
+        line
+        for lang, body in _FENCE.findall((ROOT / page).read_text())
+        if lang == "bash"
+        for line in block_commands(lang, body)
+        if pattern.match(line)
+    }
 
 
 def install_line(page: str | Path) -> tuple[str, str]:
     """``(stack, line)``: the one ``bash`` line of ``page`` (relative to the repository) that
     makes a ``.venv-<stack>`` virtualenv, as printed. CI runs it so (``noxfile.py``)."""
-    found = {
-        (match[1], line)
-        for lang, body in _FENCE.findall((ROOT / page).read_text())
-        if lang == "bash"
-        for line in block_commands(lang, body)
-        if (match := INSTALL_LINE.match(line))
-    }
+    found = _bash_lines(page, INSTALL_LINE)
     if len(found) != 1:
         raise ValueError(f"{page}: {len(found)} install lines (python3.12 -m venv .venv-<stack>)")
+    line = found.pop()
+    return INSTALL_LINE.match(line)[1], line
+
+
+def quick_start_install() -> str:
+    """The README's install line: the installing steps of its quick start's line
+    (``python3 -m venv .venv && .venv/bin/pip install ...``), as printed; the rest of the line
+    trains. CI runs it so, then ``unit_tier_line`` (``noxfile.py``, ``tests-3.11``)."""
+    found = _bash_lines("README.md", QUICK_START)
+    if len(found) != 1:
+        raise ValueError(f"README.md: {len(found)} quick start lines (python3 -m venv .venv)")
+    steps = found.pop().split(" && ")
+    installs = next(i for i, step in enumerate(steps) if not INSTALL_STEP.match(step))
+    return " && ".join(steps[:installs])
+
+
+def unit_tier_line() -> str:
+    """Getting started's line that runs the unit tier in the quick start's ``.venv``, as
+    printed."""
+    found = _bash_lines("docs/getting_started.md", UNIT_TIER)
+    if len(found) != 1:
+        raise ValueError(f"docs/getting_started.md: {len(found)} unit-tier lines")
     return found.pop()
