@@ -26,7 +26,12 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import mode_of
-from megatron_lossfix.runtime.process_groups import ModelParallelGroups, StepGroups, group_size
+from megatron_lossfix.runtime.process_groups import (
+    ModelParallelGroups,
+    StepGroups,
+    group_size,
+    max_over,
+)
 from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.counting_pass import recorded, replaying, rng_restored
 from megatron_lossfix.step.driver import Step
@@ -138,7 +143,7 @@ class SelfCheck:
         plan = _plan(call, chunks, model_config, reads, groups, shards, device)
         items, problem = _resplit_reads(reads, plan, m, self.config.loss_mask_key)
         flags = [float(problem is not None), float(plan is not None and problem is None), held]
-        failed, changed, held_any = _max(flags, device, shards.mp, groups.dp_cp).tolist()
+        failed, changed, held_any = max_over(flags, device, shards.mp, groups.dp_cp).tolist()
         normal = _replays(call, reads)
         if held_any:
             self._skipped("the gradients were not zero before the step (accumulated over calls)")
@@ -200,7 +205,7 @@ class SelfCheck:
         _unshard(chunks)
         sketch = sketch_gradients(params, shards)
         spread, worst = _replica_spread(params, sketch, groups)
-        spread_max = float(_max([spread], device, shards.mp, groups.dp_cp)[0])
+        spread_max = float(max_over([spread], device, shards.mp, groups.dp_cp)[0])
         self.last_replica_spread = spread_max
         if not spread_max <= self.tolerance:
             mine = spread == spread_max
@@ -479,7 +484,7 @@ def _divisor_factors(
     total = tokens.clone()
     if group_size(groups.dp_cp) > 1:
         dist.all_reduce(total, group=groups.dp_cp)
-    total = _max(total, device, shards.mp)  # the loss stage's counts on every stage
+    total = max_over(total, device, shards.mp)  # the loss stage's counts on every stage
     halves, normal = total[:2].tolist(), float(total[2])
     return [half / normal if normal > 0 else 1.0 for half in halves]
 
@@ -592,8 +597,8 @@ def _plan(
     """The re-split every stage of the pipeline agrees on (:func:`resplit_plan`)."""
     # TP ranks that read data beside ranks that do not: forward_step broadcasts the batch
     # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
-    tp_reads = _max([float(any(reads)), float(not any(reads))], device, shards.tp)
-    mixed = _max([float(tp_reads.min() > 0)], device, shards.mp, groups.dp_cp)
+    tp_reads = max_over([float(any(reads)), float(not any(reads))], device, shards.tp)
+    mixed = max_over([float(tp_reads.min() > 0)], device, shards.mp, groups.dp_cp)
     pp = group_size(groups.pp)
     group = getattr(model_config, "microbatch_group_size_per_vp_stage", None) or pp
     group = group if len(chunks) > 1 else None  # interleaved: the count must fit the group
@@ -670,15 +675,6 @@ def _unshard(chunks: list) -> None:
                 dist.all_gather(views, views[rank].clone(), group=group)
 
 
-def _max(values: Any, device: torch.device, *groups: Any) -> torch.Tensor:
-    """Element-wise max of ``values`` over each of ``groups`` in turn (mp, dp_cp: every rank)."""
-    tensor = torch.as_tensor(values, dtype=torch.float64, device=device)
-    for group in groups:
-        if group_size(group) > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
-
-
 def _replica_spread(params: list, sketch: Sketch, groups: StepGroups) -> tuple:
     """Relative spread of dense gradients over DP x CP, and the index of the worst (-1: none)."""
     dense = [
@@ -687,7 +683,7 @@ def _replica_spread(params: list, sketch: Sketch, groups: StepGroups) -> tuple:
     if group_size(groups.dp_cp) <= 1 or not dense:
         return 0.0, -1
     sums = sketch.sums[dense]
-    both = _max(torch.cat([sums, -sums], dim=1), sums.device, groups.dp_cp)  # max gives min too
+    both = max_over(torch.cat([sums, -sums], dim=1), sums.device, groups.dp_cp)  # max gives min too
     numel = sketch.numel[dense]
     square = both[:, 1].clamp(min=1e-300)
     sum_spread = (both[:, 0] + both[:, 2]) / (numel.sqrt() * square.sqrt())
