@@ -797,7 +797,7 @@ def test_the_sketch_block_is_chosen_by_device_and_leaves_the_sketch_as_it_is():
     same whatever the block (up to fp64 rounding), and a block that is not whole rows is
     refused."""
     from megatron_lossfix.runtime.process_groups import ModelParallelGroups
-    from megatron_lossfix.step.gradient_sketch import (
+    from megatron_lossfix.step.selfcheck.gradient_sketch import (
         BLOCK,
         DEVICE_BLOCK,
         WIDTH,

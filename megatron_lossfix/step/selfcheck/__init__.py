@@ -15,9 +15,8 @@ One module a concept, in the order the check meets them: ``check`` (:class:`Self
 not), ``reads`` (what the step reads, and the runs' replays of it), ``plan`` (which re-split
 every rank runs, or why none), ``runs`` (the re-split runs, then the normal run) and ``verdict``
 (the replicas' spread, the re-split's distance, the lines that say them); beneath them
-``model`` (the model's gradients around the runs). Beside the package: ``microbatch_resplit``
-(how a re-split cuts the micro-batches) and ``gradient_sketch`` (a run's gradient in a few
-numbers).
+``model`` (the model's gradients around the runs), ``microbatch_resplit`` (how a re-split cuts
+the micro-batches) and ``gradient_sketch`` (a run's gradient in a few numbers).
 """
 
 from megatron_lossfix.step.selfcheck.check import (

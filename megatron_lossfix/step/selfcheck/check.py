@@ -16,8 +16,8 @@ from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import ModelParallelGroups, StepGroups
 from megatron_lossfix.step.driver import Step
-from megatron_lossfix.step.gradient_sketch import Sketch
 from megatron_lossfix.step.megatron_compat import model_parallel_groups
+from megatron_lossfix.step.selfcheck.gradient_sketch import Sketch
 from megatron_lossfix.step.selfcheck.model import CheckedModel, model_chunks
 from megatron_lossfix.step.selfcheck.plan import choose_plan, why_not_checkable
 from megatron_lossfix.step.selfcheck.reads import read_step, replays

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.runtime.process_groups import ModelParallelGroups
-from megatron_lossfix.step.gradient_sketch import (
+from megatron_lossfix.step.megatron_compat import model_config_of
+from megatron_lossfix.step.selfcheck.gradient_sketch import (
     Sketch,
     block_elements,
     gradient,
     sketch_gradients,
 )
-from megatron_lossfix.step.megatron_compat import model_config_of
 
 __all__ = ["CheckedModel", "model_chunks"]
 

@@ -23,7 +23,7 @@ from megatron_lossfix.runtime.process_groups import (
 )
 from megatron_lossfix.step.driver import Step
 from megatron_lossfix.step.megatron_compat import gradient_side_paths
-from megatron_lossfix.step.microbatch_resplit import resplit, resplit_plan
+from megatron_lossfix.step.selfcheck.microbatch_resplit import resplit, resplit_plan
 from megatron_lossfix.step.selfcheck.model import CheckedModel
 
 __all__ = ["Choice", "choose_plan", "how_resplit", "plugin_step", "why_not_checkable"]

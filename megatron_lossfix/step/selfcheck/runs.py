@@ -20,8 +20,8 @@ from megatron_lossfix.runtime.process_groups import ModelParallelGroups
 from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.counting_pass import rng_restored
 from megatron_lossfix.step.driver import Step
-from megatron_lossfix.step.gradient_sketch import Sketch
-from megatron_lossfix.step.microbatch_resplit import loss_token_half
+from megatron_lossfix.step.selfcheck.gradient_sketch import Sketch
+from megatron_lossfix.step.selfcheck.microbatch_resplit import loss_token_half
 from megatron_lossfix.step.selfcheck.model import CheckedModel
 from megatron_lossfix.step.selfcheck.plan import Choice, how_resplit, plugin_step
 from megatron_lossfix.step.selfcheck.reads import replays

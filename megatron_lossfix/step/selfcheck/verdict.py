@@ -16,7 +16,7 @@ from megatron_lossfix.runtime.process_groups import (
     group_size,
     max_over,
 )
-from megatron_lossfix.step.gradient_sketch import (
+from megatron_lossfix.step.selfcheck.gradient_sketch import (
     HOW_MEASURED,
     Sketch,
     combined,
