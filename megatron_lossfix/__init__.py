@@ -30,7 +30,7 @@ from megatron_lossfix.runtime.modes import REDUCTIONS
 from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.step.schedule import LossFixSchedule
-from megatron_lossfix.step.selfcheck import SelfCheckError
+from megatron_lossfix.step.selfcheck.verdict import SelfCheckError
 
 __all__ = [
     "REDUCTIONS",

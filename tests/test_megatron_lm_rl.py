@@ -66,9 +66,9 @@ def _args(*flags: str, **extra: object) -> argparse.Namespace:
 
 @pytest.mark.unit
 def test_check_args_refuses_with_one_line_naming_the_flag(capsys, monkeypatch) -> None:
-    from megatron_lossfix.step import selfcheck
+    from megatron_lossfix.step.selfcheck import check
 
-    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
+    monkeypatch.setattr(check, "_LEFT_OUT", set())
     assert megatron_lm_rl.check_args(_args()) is None  # no flag: stock train_rl.py
     config = megatron_lm_rl.check_args(_args("--loss-reduction", "sequence_mean"))
     assert config.reduction == "sequence_mean"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lossfix.step.microbatch_resplit import loss_token_half
-from megatron_lossfix.step.selfcheck import resplit, resplit_plan
+from megatron_lossfix.step.selfcheck.microbatch_resplit import (
+    loss_token_half,
+    resplit,
+    resplit_plan,
+)
 
 pytestmark = pytest.mark.unit
 

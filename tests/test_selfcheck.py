@@ -797,7 +797,7 @@ def test_the_sketch_block_is_chosen_by_device_and_leaves_the_sketch_as_it_is():
     same whatever the block (up to fp64 rounding), and a block that is not whole rows is
     refused."""
     from megatron_lossfix.runtime.process_groups import ModelParallelGroups
-    from megatron_lossfix.step.gradient_sketch import (
+    from megatron_lossfix.step.selfcheck.gradient_sketch import (
         BLOCK,
         DEVICE_BLOCK,
         WIDTH,
@@ -848,7 +848,7 @@ def test_an_adapter_that_writes_the_loss_says_once_that_the_check_stays_out(
     their switch turns it on, silently. Neither stack need be installed for their configs."""
     from megatron_lossfix.integrations.areal import adapter as areal
     from megatron_lossfix.integrations.slime import adapter as slime
-    from megatron_lossfix.step import selfcheck
+    from megatron_lossfix.step.selfcheck import check
 
     module = {"slime": slime, "areal": areal}[stack]
     args = argparse.Namespace(calculate_per_token_loss=True)
@@ -856,14 +856,14 @@ def test_an_adapter_that_writes_the_loss_says_once_that_the_check_stays_out(
     def config() -> LossFixConfig:
         return slime.lossfix_config_for(args) if stack == "slime" else areal.lossfix_config()
 
-    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
+    monkeypatch.setattr(check, "_LEFT_OUT", set())
     monkeypatch.delenv(module.SELF_CHECK_ENV, raising=False)
     assert config().self_check is False and config().self_check is False
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("megatron_lossfix self-check: not run in "), lines
     assert f"{module.SELF_CHECK_ENV}=1 runs it" in lines[0], lines
-    monkeypatch.setattr(selfcheck, "_LEFT_OUT", set())
+    monkeypatch.setattr(check, "_LEFT_OUT", set())
     monkeypatch.setenv(module.SELF_CHECK_ENV, "1")
     assert config().self_check is True
     assert capsys.readouterr().out == ""

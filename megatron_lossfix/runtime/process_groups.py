@@ -1,4 +1,5 @@
-"""The process groups a step communicates over, and their sizes (plain ``torch.distributed``).
+"""The process groups a step communicates over, their sizes, and a max over them (plain
+``torch.distributed``).
 
 Where the groups come from (the call's ``ProcessGroupCollection`` or Megatron's
 ``parallel_state``) is Megatron's business: ``megatron_compat.resolve_groups`` and
@@ -11,12 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """The number of ranks in ``group``; ``None`` (no such parallelism) counts as 1."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def max_over(values: Any, device: Any, *groups: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise max of ``values`` (as an fp64 tensor on ``device``) over each of ``groups``
+    in turn: over every rank they span together (``mp`` then ``dp_cp``: every rank)."""
+    tensor = torch.as_tensor(values, dtype=torch.float64, device=device)
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
 
 
 def same_on_every_rank(total: Any, squares: Any, ranks: int | float) -> Any:

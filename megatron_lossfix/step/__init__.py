@@ -4,9 +4,10 @@ Read in the order a step runs: ``schedule`` (``LossFixSchedule``) calls ``driver
 which reads the micro-batches (``read``), agrees on the counts with the other ranks (``agree``,
 ``agreement``), weighs them (``weigh``, with ``mtp``), wraps each micro-batch for Megatron's
 schedule (``microbatch``), and settles the step after it (``after``), writing its
-``record``. Around it: the ``counting_pass``, the first-step ``selfcheck`` (with
-``microbatch_resplit`` and ``gradient_sketch``), the step's ``metrics``, and what differs between
-Megatron's releases and data-parallel wrappers (``megatron_compat``, ``wrappers``).
+``record``. Around it: the ``counting_pass``, the first-step ``selfcheck`` (a package: the
+check's phases, how it re-splits a step and how it compares gradients), the step's
+``metrics``, and what differs between Megatron's releases and data-parallel wrappers
+(``megatron_compat``, ``wrappers``).
 """
 
 from __future__ import annotations
