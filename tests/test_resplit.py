@@ -184,3 +184,19 @@ def test_packed_rows_the_halves_cannot_cut_by_sequence_alternate_tokens(cu):
     assert ba["cu_seqlens"] is batch["cu_seqlens"] and bb["cu_seqlens"] is batch["cu_seqlens"]
     assert a.reshape(-1).tolist() == [1.0, 0.0] * 8 and torch.equal(a + b, mask)
     assert torch.equal(ba["loss_mask"], 2 * mask)
+
+
+def test_the_first_half_cuts_only_the_window_and_leaves_the_rest_whole():
+    """``only``: the first run halves the window's micro-batches and hands the others whole
+    (the second run goes over the window alone): the window's two halves and the rest add up
+    to the step's weights."""
+    masks = [torch.ones(1, 6), torch.ones(1, 4), torch.ones(1, 5)]
+    batches = [{"loss_mask": m} for m in masks]
+    weights = [m * (k + 1) for k, m in enumerate(masks)]
+    first_batches, first = loss_token_half(0, only=range(1, 2))(batches, weights)
+    second_batches, second = loss_token_half(1)(batches[1:2], weights[1:2])
+    assert first_batches[0] is batches[0] and first_batches[2] is batches[2]
+    assert first[0] is weights[0] and first[2] is weights[2]
+    assert torch.equal(first[1] + second[0], weights[1])
+    assert first[1].reshape(-1).tolist() == [2.0, 0.0, 2.0, 0.0]
+    assert torch.equal(first_batches[1]["loss_mask"], 2 * masks[1])

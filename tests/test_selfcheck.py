@@ -786,7 +786,10 @@ def test_bridge_loop_checks_packed_micro_batches_by_default(dist_pool, reduction
     results = dist_pool.run(_bridge_loop_on_rank, 2, "mask_mean", reduction)
     for rank, res in enumerate(results):
         assert res["raised"] is not None and "\n" not in res["raised"], f"rank {rank}: {res}"
-        assert "as two runs of its 2 micro-batches" in res["raised"], res
+        assert (
+            "as two runs over halves of the loss tokens of 1 micro-batch of its 2"
+            in (res["raised"])
+        )
     assert len({res["raised"] for res in results}) == 1
 
 

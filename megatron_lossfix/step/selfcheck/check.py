@@ -112,7 +112,7 @@ class SelfCheck:
         resplit = resplit_runs(run, step, call, reads, choice, model, shards, normal)
         # 3. The normal run, last: training goes on from it, as without the check; 4. every
         # DP x CP replica must hold the same reduced gradient.
-        result = normal_run(run, normal, model, resplit.tokens)
+        result = normal_run(run, step, normal, model, resplit.tokens)
         sketch = self._replicas(model, groups, shards)
         # 5. The re-split runs' gradient against the normal run's.
         self.last_error = resplit_error(resplit, sketch, model, groups, shards)

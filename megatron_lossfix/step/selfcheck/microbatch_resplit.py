@@ -40,6 +40,7 @@ def loss_token_half(
     mask_key: str | None = "loss_mask",
     cu_seqlens_key: str | None = "cu_seqlens",
     id_keys: Sequence[str] = (),
+    only: range | None = None,
 ) -> Callable[[list, list[torch.Tensor]], tuple[list, list[torch.Tensor]]]:
     """The micro-batches and weights of run ``which`` (0 or 1) over halves of the loss tokens
     (``Step.halves``). The two runs' weights add up to the step's; each micro-batch's loss mask
@@ -57,12 +58,15 @@ def loss_token_half(
       counts twice (each 1 becomes 2; a bool mask stays as it is): a mean over the mask is
       unchanged, a division of the weighted sum by the mask's count is halved.
 
-    A micro-batch without a mask of the weights' shape has its weights halved only."""
+    A micro-batch without a mask of the weights' shape has its weights halved only. ``only``:
+    the micro-batches to halve (by index), the others left whole; None: every one."""
 
     def halves(batches: list, weights: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
         out = [
             _half(b, w, which, mask_key, cu_seqlens_key, id_keys)
-            for b, w in zip(batches, weights, strict=True)
+            if only is None or k in only
+            else (b, w)
+            for k, (b, w) in enumerate(zip(batches, weights, strict=True))
         ]
         return [b for b, _ in out], [w for _, w in out]
 

@@ -31,7 +31,8 @@ __all__ = ["Choice", "choose_plan", "how_resplit", "plugin_step", "why_not_check
 
 class Choice(NamedTuple):
     """What the check runs, the same on every rank: the re-split ``plan`` (``(kind, factor,
-    num_microbatches, micro_batch_size)``) over ``items`` (each data iterator's micro-batches
+    num_microbatches, micro_batch_size)``; ``halves`` adds the range of micro-batches whose
+    loss tokens it halves) over ``items`` (each data iterator's micro-batches
     as the plan reads them); or no plan, ``skipped`` saying why, and whether the DP x CP
     ``replicas`` are compared all the same."""
 
@@ -93,7 +94,8 @@ def choose_plan(
     # Rows cannot move without growing a micro-batch: halves of the loss tokens.
     why_not = _why_no_halves(config, model.config, plugin_step(step))  # the same everywhere
     if not why_not:
-        return Choice(("halves", 2, m, None), reads)
+        window = _halves_window(config, call, model, reads, shards, _group(call, model, groups))
+        return Choice(("halves", 2, m, None, window), reads)
     problem = problem or "no rank can move a row without growing a micro-batch"
     if explicit:  # every rank: the flags are all-reduced
         drop = "this data cannot be checked: drop --lossfix-self-check"
@@ -114,11 +116,42 @@ def _agreed_plan(
     # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
     tp_reads = max_over([float(any(reads)), float(not any(reads))], model.device, shards.tp)
     mixed = max_over([float(tp_reads.min() > 0)], model.device, shards.mp, groups.dp_cp)
+    m, pp = call["num_microbatches"], group_size(groups.pp)
+    group = _group(call, model, groups)
+    return resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
+
+
+def _group(call: dict, model: CheckedModel, groups: StepGroups) -> int | None:
+    """The micro-batch group an interleaved schedule's count must fit, or None."""
     pp = group_size(groups.pp)
     group = getattr(model.config, "microbatch_group_size_per_vp_stage", None) or pp
-    group = group if len(model.chunks) > 1 else None  # interleaved: the count must fit the group
+    return group if len(model.chunks) > 1 else None
+
+
+def _halves_window(
+    config: LossFixConfig,
+    call: dict,
+    model: CheckedModel,
+    reads: list,
+    shards: ModelParallelGroups,
+    group: int | None,
+) -> range:
+    """The micro-batches the halves cut: as few as the schedule runs on their own (1; an
+    interleaved schedule's group), those of them holding the most loss tokens on the loss
+    stage, the same on every stage of the model (one all-reduce). The second run goes over
+    these only, so the check costs two runs of the step and these, not three runs."""
     m = call["num_microbatches"]
-    return resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
+    width = min(m, group or 1)
+    counts = []
+    for batch in reads[-1] or () if reads else ():  # the loss stage's last iterator's reads
+        mask = batch.get(config.loss_mask_key) if isinstance(batch, dict) else None
+        counts.append(float((mask != 0).sum()) if isinstance(mask, torch.Tensor) else 0.0)
+    best = -1.0  # a stage that reads no mask has no say
+    if len(counts) == m:
+        sums = [sum(counts[i : i + width]) for i in range(m - width + 1)]
+        best = float(max(range(len(sums)), key=sums.__getitem__))
+    start = int(max_over([best], model.device, shards.mp)[0])
+    return range(max(start, 0), max(start, 0) + width)
 
 
 def _resplit_reads(
@@ -166,9 +199,10 @@ def how_resplit(m: int, plan: tuple | None) -> str:
         return f"in the same {m} micro-batches here (other ranks re-split)"
     if plan[0] == "shuffle":
         return f"in {plan[2]} micro-batches with their rows dealt differently"
-    if plan[0] == "halves":
+    if plan[0] == "halves":  # the window's size: the same on every rank, unlike its place
+        part = "1 micro-batch" if len(plan[4]) == 1 else f"{len(plan[4])} micro-batches"
         return (
-            f"as two runs of its {plan[2]} micro-batches, each weighing every other loss token "
-            "of each (no row can move without growing a micro-batch)"
+            f"as two runs over halves of the loss tokens of {part} of its {plan[2]} (no row "
+            "can move without growing a micro-batch), the first with the others whole"
         )
     return f"as {plan[2]} micro-batches instead of {m} (each micro-batch cut in {plan[1]})"

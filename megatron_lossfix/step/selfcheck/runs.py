@@ -25,6 +25,7 @@ from megatron_lossfix.step.selfcheck.microbatch_resplit import loss_token_half
 from megatron_lossfix.step.selfcheck.model import CheckedModel
 from megatron_lossfix.step.selfcheck.plan import Choice, how_resplit, plugin_step
 from megatron_lossfix.step.selfcheck.reads import replays
+from megatron_lossfix.step.weigh import loss_factor
 
 __all__ = ["Resplit", "normal_run", "resplit_runs"]
 
@@ -32,9 +33,11 @@ __all__ = ["Resplit", "normal_run", "resplit_runs"]
 class Resplit(NamedTuple):
     """What the re-split runs leave: ``sketches`` (the re-split run's, or the two halves'),
     ``reference`` (None: the normal run's sketch, after them; with dropout, whose masks cannot
-    match across splits, the normal split's, all these runs in eval mode), and ``tokens``, the
-    token counts the loss functions return: the halves' (0, 1) and the normal run's (2, counted
-    by :func:`normal_run`), on the device."""
+    match across splits, the normal split's, all these runs in eval mode), and ``tokens``, on
+    the device, for Megatron's per-token path: row 0, the token counts the loss functions
+    return (Megatron divides the run's gradient by their sum), row 1, the factor the step gave
+    each loss (``weigh.loss_factor``; 1 where none), of the halves (columns 0, 1) and of the
+    normal run (2, by :func:`normal_run`)."""
 
     sketches: list[Sketch]
     reference: Sketch | None
@@ -55,7 +58,7 @@ def resplit_runs(
     again by running the normal split (``normal``), so that the refusal names its
     micro-batches; any other error raises one line, the same on every rank
     (:func:`_rerun_failed`)."""
-    tokens = torch.zeros(3, dtype=torch.float64, device=model.device)  # per-token divisors
+    tokens = torch.zeros(2, 3, dtype=torch.float64, device=model.device)  # per-token divisors
     try:
         sketches, reference = _reruns(run, plugin_step(step), call, reads, choice.items,
                                       choice.plan, model, shards, tokens)  # fmt: skip
@@ -69,14 +72,24 @@ def resplit_runs(
 
 
 def normal_run(
-    run: Callable[..., Any], normal: dict, model: CheckedModel, tokens: torch.Tensor
+    run: Callable[..., Any], step: Any, normal: dict, model: CheckedModel, tokens: torch.Tensor
 ) -> Any:
     """The normal run, from zeroed gradients (training goes on from it, as without the check);
-    its result. On Megatron's per-token path its loss functions' token counts go to
-    ``tokens[2]``."""
+    its result. On Megatron's per-token path its loss functions' token counts and the step's
+    factor go to ``tokens[:, 2]``."""
     model.zero_grads()
     counted = _counting_tokens(normal["forward_step_func"], tokens, 2) if model.per_token else None
-    return run(**({**normal, "forward_step_func": counted} if counted else normal))
+    result = run(**({**normal, "forward_step_func": counted} if counted else normal))
+    if counted:
+        _record_factor(plugin_step(step), tokens, 2)
+    return result
+
+
+def _record_factor(step: Step | None, tokens: torch.Tensor, slot: int) -> None:
+    """The factor the step's last run gave each loss, into ``tokens[1, slot]`` (1: none)."""
+    record = None if step is None else step.last_step
+    factor = None if record is None or record.counts is None else loss_factor(record)
+    tokens[1, slot] = 1.0 if factor is None else torch.as_tensor(factor).to(tokens)
 
 
 def _reruns(
@@ -90,29 +103,57 @@ def _reruns(
     shards: ModelParallelGroups,
     tokens: torch.Tensor,
 ) -> tuple[list[Sketch], Sketch | None]:
-    """The re-split run's sketch (``halves``: the two runs' sketches, each run weighing one half
-    of every micro-batch's loss tokens; ``tokens[0:2]`` gets the token counts their losses
-    return), and the reference's: None (the normal run, after these) or, with dropout, whose
-    masks cannot match across splits, the normal split's, all runs then in eval mode. The RNG
-    states are put back after each run. A model error names the step's own micro-batch."""
+    """The re-split run's sketch (``halves``: the two runs' sketches, the first over every
+    micro-batch with half of the loss tokens of those in the plan's window, the second over
+    the window's micro-batches only with their other half; ``tokens[0:2]`` gets the token
+    counts their losses return), and the reference's: None (the normal run, after these) or,
+    with dropout, whose masks cannot match across splits, the normal split's, all runs then in
+    eval mode. The RNG states are put back after each run. A model error names the step's own
+    micro-batch."""
+
+    window = plan[4] if plan[0] == "halves" else None
+    whole: list = []  # the window's weights as the whole step weighs them (the first run's)
+
+    def halved(which: int) -> Callable[[list, list], tuple[list, list]]:
+        """``Step.halves`` of run ``which``: the first over every micro-batch, halving the
+        window's (whose whole-step weights it keeps); the second over the window's only, with
+        those weights (the step, reading the window alone, weighs it by the window's counts)."""
+        cfg = step.config
+        half = loss_token_half(
+            which,
+            mask_key=cfg.loss_mask_key,
+            cu_seqlens_key=cfg.cu_seqlens_key,
+            id_keys=(cfg.group_ids_key, cfg.trajectory_ids_key),
+            only=window if which == 0 else None,
+        )
+
+        def first(batches: list, weights: list) -> tuple[list, list]:
+            whole[:] = [weights[k] for k in window]
+            return half(batches, weights)
+
+        return first if which == 0 else lambda batches, _: half(batches, whole)
 
     def rerun(data: list, plan: tuple | None, which: int | None = None) -> Sketch:
         model.zero_grads()
-        kwargs = replays(call, data, plan if which is None else None, source=False)
-        kwargs["forward_step_func"] = _named_errors(kwargs["forward_step_func"], plan)
+        if which == 1:  # the second half: the window's micro-batches only
+            data = [None if got is None else got[window.start : window.stop] for got in data]
+            kwargs = replays(call, data, ("halves", 2, len(window), None), source=False)
+        else:
+            kwargs = replays(call, data, plan if which is None else None, source=False)
+        first = window.start if which == 1 else 0
+        kwargs["forward_step_func"] = _named_errors(kwargs["forward_step_func"], plan, first)
         if which is not None:
             kwargs["forward_step_func"] = _counting_tokens(kwargs["forward_step_func"], tokens,
                                                            which)  # fmt: skip
-            cfg = step.config
-            ids = (cfg.group_ids_key, cfg.trajectory_ids_key)
-            step.halves = loss_token_half(
-                which, mask_key=cfg.loss_mask_key, cu_seqlens_key=cfg.cu_seqlens_key, id_keys=ids
-            )
+            step.halves = halved(which)
         try:
             with rng_restored():
                 run(**kwargs)
         finally:
-            step.halves = None
+            if which is not None:
+                step.halves = None
+        if which is not None and model.per_token:
+            _record_factor(step, tokens, which)
         sketch = model.sketch(shards)
         _return_freed_host_memory()
         return sketch
@@ -150,7 +191,7 @@ def _return_freed_host_memory() -> None:
 
 def _counting_tokens(forward_step_func: Callable, tokens: torch.Tensor, slot: int) -> Callable:
     """``forward_step_func`` whose loss functions add the token counts they return to
-    ``tokens[slot]`` (on the device: Megatron's per-token path divides the gradient by their
+    ``tokens[0, slot]`` (on the device: Megatron's per-token path divides the gradient by their
     sum, which the runs over halves of the loss tokens change)."""
 
     def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
@@ -161,7 +202,7 @@ def _counting_tokens(forward_step_func: Callable, tokens: torch.Tensor, slot: in
             outputs = loss_func(*a, **kw)
             if isinstance(outputs, (tuple, list)) and len(outputs) == 3:
                 if isinstance(outputs[1], torch.Tensor):
-                    tokens[slot] += outputs[1].detach().to(tokens.device, tokens.dtype).sum()
+                    tokens[0, slot] += outputs[1].detach().to(tokens.device, tokens.dtype).sum()
             return outputs
 
         return output, loss
@@ -178,9 +219,10 @@ class _ModelError(RuntimeError):
         self.error, self.microbatch = error, microbatch
 
 
-def _named_errors(forward_step_func: Callable, plan: tuple) -> Callable:
+def _named_errors(forward_step_func: Callable, plan: tuple, first: int = 0) -> Callable:
     """``forward_step_func`` whose errors name the step's own micro-batch: the forward steps of
-    each model chunk are counted, and the re-run's micro-batch mapped back by ``plan``."""
+    each model chunk are counted, and the re-run's micro-batch mapped back by ``plan`` (a run
+    over halves that starts at the step's micro-batch ``first``)."""
     calls: dict[int, int] = {}
 
     def forward_step(data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> tuple:
@@ -192,7 +234,7 @@ def _named_errors(forward_step_func: Callable, plan: tuple) -> Callable:
             raise
         except Exception as exc:
             kind = plan[0]
-            k = j // 2 if kind == "split" else j if kind == "halves" else None
+            k = j // 2 if kind == "split" else first + j if kind == "halves" else None
             raise _ModelError(exc, k) from exc
 
     return forward_step

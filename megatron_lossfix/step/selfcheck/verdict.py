@@ -101,8 +101,9 @@ def report(
             f" under reduction {reduction!r}. The loss depends on how the step is split, "
             "so it is not the mode's global "
             "normalization. Probably: (1) double scaling: loss_func divides the weighted sum "
-            "by its own token count or by the number of micro-batches (a per-micro-batch "
-            "mean, or calculate_per_token_loss plus a manual division), but the plugin's "
+            "by its own token count (its loss mask's sum), its number of sequences or the "
+            "number of micro-batches (a per-micro-batch mean, or calculate_per_token_loss "
+            "plus a manual division), but the plugin's "
             "weights already normalize: return (sum(weights * loss), num_tokens, report) as "
             "megatron_lossfix.weighted_loss does; (2) the loss ignores the plugin's weights "
             "(batch['loss_weights']) and uses the raw loss mask; (3) the model mixes samples "
@@ -144,14 +145,16 @@ def _divisor_factors(
     shards: ModelParallelGroups,
     device: torch.device,
 ) -> list[float]:
-    """What each run over half of the loss tokens is multiplied by to be the half of the normal
+    """What each run over half of the loss tokens is multiplied by to be its part of the normal
     run's gradient: 1, except on Megatron's per-token path, which divided each run's gradient by
-    its own token count (summed over DP x CP) instead of the normal run's."""
+    its own token count (``tokens[0]``, summed over DP x CP) instead of the normal run's, after
+    the step multiplied each loss by its run's factor (``tokens[1]``)."""
     if not per_token:
         return [1.0, 1.0]
-    total = tokens.clone()
+    total = tokens[0].clone()
     if group_size(groups.dp_cp) > 1:
         dist.all_reduce(total, group=groups.dp_cp)
-    total = max_over(total, device, shards.mp)  # the loss stage's counts on every stage
-    halves, normal = total[:2].tolist(), float(total[2])
+    total = max_over(torch.stack([total, tokens[1]]), device, shards.mp)  # the loss stage's
+    per_factor = (total[0] / total[1].clamp(min=1e-300)).tolist()  # on every stage
+    halves, normal = per_factor[:2], per_factor[2]
     return [half / normal if normal > 0 else 1.0 for half in halves]
