@@ -39,9 +39,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.host_syncs import HostSyncs
 from helpers.launch import slots
 from helpers.megatron_lm_run import archive_tags, archives_folder, skip_reason, tags_to_test
-from torch.overrides import TorchFunctionMode
 
 from megatron_lossfix.integrations.megatron_lm import rl as megatron_lm_rl
 from megatron_lossfix.integrations.megatron_lm import rl_groups as megatron_lm_rl_groups
@@ -148,22 +148,6 @@ def test_rl_micro_batch_rows_and_packed_bins(monkeypatch: pytest.MonkeyPatch) ->
     assert empty["loss_mask"].sum() == 0 and empty["cu_seqlens"].tolist() == [0, 0]
 
 
-class _HostSyncs(TorchFunctionMode):
-    """Records the tensor calls that copy a value to the host (a device sync on a GPU)."""
-
-    SYNCS = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__", "numpy")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.SYNCS:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 class _Rollout:
     def __init__(self, turns: int) -> None:
         self.trajectory = [[1]] * turns
@@ -206,7 +190,7 @@ def test_rl_loss_weighs_and_reports_without_phantom_tokens_or_host_sync() -> Non
     kl = torch.tensor([[0.5, 1.5, 7.0], [7.0, 7.0, 7.0]])
     truncated = torch.tensor([[True, False, True], [True, True, True]])
     terms = {"rl/kl_term": kl, "rl/truncated_from_above": truncated}
-    with _HostSyncs() as syncs:
+    with HostSyncs() as syncs:
         loss, num_tokens, report = wrapper._rl_loss(weights, losses, mask, terms)
     assert syncs.calls == []
     assert float(loss.detach()) == pytest.approx(1.5) and int(num_tokens) == 2
