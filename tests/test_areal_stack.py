@@ -5,7 +5,8 @@ The e2e tests run AReaL's ``MegatronEngine.train_batch`` and ``grpo_loss_fn`` fr
 areal (docs/areal.md) on the tiny GPT over two ranks and compare the gradient with the one-rank
 reference of the exact objective; they skip where areal is not installed. AReaL's own tests run
 from its source tree, which ``AREAL_TESTS`` names (a clone or the ``git archive`` ``.tar.gz`` of
-its tests; CI sets it); they skip without it. The unit tests need neither.
+its tests; CI sets it); they skip without it, and fail under CI (``helpers.inputs``). The unit
+tests need neither.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.inputs import needs_input, skip_missing
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -27,9 +29,8 @@ from megatron_lossfix.audit.stacks.areal import objective, ranks, stack
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_AREAL = importlib.util.find_spec("areal") is not None
-needs_areal = pytest.mark.skipif(
-    not HAVE_AREAL,
-    reason="areal is not installed (docs/areal.md: the [areal] extra, then areal --no-deps)",
+needs_areal = needs_input(
+    HAVE_AREAL, "areal is not installed (docs/areal.md: the [areal] extra, then areal --no-deps)"
 )
 TOL = 1e-5
 #: AReaL's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.
@@ -161,7 +162,7 @@ def test_mask_in_loss_switch_without_its_normalization_fails_the_check(areal_poo
 def _areal_tests(tmp_path: Path) -> Path:
     source = os.environ.get("AREAL_TESTS")
     if not source:
-        pytest.skip("AREAL_TESTS is not set (AReaL's tests: a clone, or the git archive)")
+        skip_missing("AREAL_TESTS is not set (AReaL's tests: a clone, or the git archive)")
     path = Path(source)
     if path.is_dir():
         return path

@@ -7,7 +7,8 @@ the one-rank reference of the exact objective (with slime's TIS rejection and OP
 tokens inside its loss, under both meanings of a dropped token); they skip where slime is not
 installed. slime's
 own tests run from its source tree, which ``SLIME_SOURCE`` names (a clone or its ``git archive``
-``.tar.gz``; CI sets it); they skip without it. The unit tests need neither.
+``.tar.gz``; CI sets it); they skip without it, and fail under CI (``helpers.inputs``). The unit
+tests need neither.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.inputs import needs_input, skip_missing
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -34,9 +36,8 @@ from megatron_lossfix.integrations.slime import adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_SLIME = importlib.util.find_spec("slime") is not None
-needs_slime = pytest.mark.skipif(
-    not HAVE_SLIME,
-    reason="slime is not installed (pip install --no-deps <slime source>, see docs/slime.md)",
+needs_slime = needs_input(
+    HAVE_SLIME, "slime is not installed (pip install --no-deps <slime source>, see docs/slime.md)"
 )
 TOL = 1e-5
 #: slime's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.
@@ -247,7 +248,7 @@ def test_mask_in_loss_switch_without_its_normalization_fails_the_check(slime_poo
 def _slime_source(tmp_path: Path) -> Path:
     source = os.environ.get("SLIME_SOURCE")
     if not source:
-        pytest.skip("SLIME_SOURCE is not set (slime's source: a clone, or its git archive)")
+        skip_missing("SLIME_SOURCE is not set (slime's source: a clone, or its git archive)")
     path = Path(source)
     if path.is_dir():
         return path
