@@ -14,17 +14,14 @@ tests need neither.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import tarfile
 from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.inputs import needs_input, skip_missing
+from helpers import own_tests
+from helpers.inputs import needs_input
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -42,6 +39,8 @@ needs_slime = needs_input(
 TOL = 1e-5
 #: slime's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.
 SLIME_TESTS = ("test_loss_cp_invariance.py", "test_policy_loss.py", "test_cp_utils.py")
+#: How many of them passed at slime's commit 624b824 (docs/slime.md): at least these must pass.
+SLIME_TESTS_PASSING = 13
 
 
 # ------------------------------------------------------------------------------ unit
@@ -245,28 +244,13 @@ def test_mask_in_loss_switch_without_its_normalization_fails_the_check(slime_poo
         assert errors[(EXCLUDED_ROW, mode, "opsm")] > 0.1, errors
 
 
-def _slime_source(tmp_path: Path) -> Path:
-    source = os.environ.get("SLIME_SOURCE")
-    if not source:
-        skip_missing("SLIME_SOURCE is not set (slime's source: a clone, or its git archive)")
-    path = Path(source)
-    if path.is_dir():
-        return path
-    with tarfile.open(path) as archive:
-        archive.extractall(tmp_path, filter="data")
-    (top,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    return top
-
-
 @needs_slime
 @pytest.mark.e2e
 def test_slimes_own_loss_tests_pass_with_the_adapter_on(tmp_path):
-    tests = _slime_source(tmp_path) / "tests"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
-    plugins = ["-p", "helpers.slime_stack", "-p", "no:randomly", "-p", "no:cacheprovider"]
-    argv = [sys.executable, "-m", "pytest", *plugins, "-q", *(str(tests / n) for n in SLIME_TESTS)]
-    proc = subprocess.run(argv, cwd=tests.parent, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert "slime adapter on: LossFixForwardBackward (group_mean)" in out, out[-4000:]
-    assert proc.returncode == 0 and " failed" not in out, out[-4000:]
+    tree = own_tests.source_tree("SLIME_SOURCE", "slime's source: a clone, or its git archive",
+                                 tmp_path)  # fmt: skip
+    run = own_tests.run_own_tests(tree / "tests", SLIME_TESTS, "helpers.slime_stack")
+    run.check(at_least=SLIME_TESTS_PASSING)
+    report = run.report
+    assert report["adapter"] == "LossFixForwardBackward (group_mean)", report
+    assert report["still_on"], report
