@@ -185,7 +185,8 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     clone, shared = tmp_path / "clone", tmp_path / "shared"
     (clone / ".ci").mkdir(parents=True)
     shutil.copy2(ROOT / ".ci" / "run", clone / ".ci" / "run")
-    names = ["megatron-lm/core_v0.16.1.tar.gz", "megatron-lm/core_v0.19.0.tar.gz"]
+    tags = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main")
+    names = [f"megatron-lm/{tag}.tar.gz" for tag in tags]
     if inputs:
         names += ["slime/slime-624b824.tar.gz", "areal/areal-tests-4aef98d.tar.gz"]
     for name in names:
