@@ -272,32 +272,14 @@ class _RLRuns:
     def get(self, tag: str) -> tuple[list[tuple], dict]:
         """(steps, {(ranks, per_token): records}) of ``tag``."""
         if tag not in self.runs:
-            from helpers.megatron_lm_rl import (
-                read_records,
-                rl_args,
-                rl_launch,
-                rollout_sets,
-                write_plan,
-            )
-            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+            from helpers.megatron_lm_rl import RLRun, rollout_sets, run_waves
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod
 
             tree = self.tree(tag)
             steps = _steps(tree)
             plan = _plan(steps, rollout_sets(checkout_null_tokenizer_eod(tree)))
-            launches, outs = [], []
-            for nproc, per_token in LAUNCHES:
-                out = self.root / f"{tag}-n{nproc}-pt{int(per_token)}.jsonl"
-                path = write_plan(out.with_suffix(".plan.json"), tree, plan, out=out)
-                args = rl_args(train_iters=len(steps), per_token=per_token)
-                launches.append(rl_launch(tree, path, args, nproc))
-                outs.append(out)
-            results = run_pretrain_gpts(launches, timeout=3000)
-            records = {}
-            for key, out, result in zip(LAUNCHES, outs, results, strict=True):
-                assert result.returncode == 0, result.output[-6000:]
-                records[key] = read_records(out)
-                assert len(records[key]) == len(steps), result.output[-6000:]
-            self.runs[tag] = (steps, records)
+            runs = {key: RLRun(key[0], plan, per_token=key[1]) for key in LAUNCHES}
+            self.runs[tag] = (steps, run_waves(tree, self.root, tag, [runs]))
         return self.runs[tag]
 
 
@@ -773,14 +755,8 @@ class _LayoutRuns:
     def get(self, tag: str) -> tuple[list[tuple], dict]:
         """(steps, {layout: records}) of ``tag``; layout ``"1"`` is the one-rank run."""
         if tag not in self.runs:
-            from helpers.megatron_lm_rl import (
-                read_records,
-                rl_args,
-                rl_launch,
-                rollout_sets,
-                write_plan,
-            )
-            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+            from helpers.megatron_lm_rl import RLRun, rollout_sets, run_waves
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod
 
             tree = self.trees.tree(tag)
             eod = checkout_null_tokenizer_eod(tree)
@@ -790,28 +766,14 @@ class _LayoutRuns:
             # TP2 pads the vocabulary to a multiple of 2 x this: the same size as one rank's.
             vocab = ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]
             load = ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
-            layouts = {"1": (1, ["--save", str(initial), "--save-interval", str(len(steps))]),
-                       **{name: (n, flags + load) for name, (n, flags) in MP_LAYOUTS.items()},
-                       PP2_SEEDED: (2, MP_LAYOUTS["PP2"][1])}  # fmt: skip
-            records = {}
+            save = ["--save", str(initial), "--save-interval", str(len(steps))]
+            seeded = [plan[i] for i in _seeded(steps)]
             # The one-rank run first: at learning rate 0 it saves its initial weights.
-            for wave in (["1"], [name for name in layouts if name != "1"]):
-                launches, outs = [], []
-                for name in wave:
-                    nproc, flags = layouts[name]
-                    out = self.root / f"{tag}-{len(records) + len(outs)}.jsonl"
-                    iterations = [plan[i] for i in _seeded(steps)] if name == PP2_SEEDED else plan
-                    path = write_plan(out.with_suffix(".plan.json"), tree, iterations, out=out)
-                    args = rl_args(train_iters=len(iterations), per_token=True) + vocab + flags
-                    launches.append(rl_launch(tree, path, args, nproc))
-                    outs.append(out)
-                results = run_pretrain_gpts(launches, timeout=3000)
-                for name, out, result in zip(wave, outs, results, strict=True):
-                    assert result.returncode == 0, (name, result.output[-6000:])
-                    records[name] = read_records(out)
-                    want = len(_seeded(steps)) if name == PP2_SEEDED else len(steps)
-                    assert len(records[name]) == want, (name, result.output[-6000:])
-            self.runs[tag] = (steps, records)
+            waves = [{"1": RLRun(1, plan, vocab + save)},
+                     {**{name: RLRun(n, plan, vocab + flags + load)
+                         for name, (n, flags) in MP_LAYOUTS.items()},
+                      PP2_SEEDED: RLRun(2, seeded, vocab + MP_LAYOUTS["PP2"][1])}]  # fmt: skip
+            self.runs[tag] = (steps, run_waves(tree, self.root, tag, waves))
         return self.runs[tag]
 
 
@@ -1040,14 +1002,8 @@ class _StepRuns:
         if tag not in self.runs:
             import time
 
-            from helpers.megatron_lm_rl import (
-                read_records,
-                rl_args,
-                rl_launch,
-                rollout_sets,
-                write_plan,
-            )
-            from helpers.megatron_lm_run import checkout_null_tokenizer_eod, run_pretrain_gpts
+            from helpers.megatron_lm_rl import RLRun, rollout_sets, run_waves
+            from helpers.megatron_lm_run import checkout_null_tokenizer_eod
 
             start = time.monotonic()
             tree = self.trees.tree(tag)
@@ -1057,30 +1013,15 @@ class _StepRuns:
             vocab = ["--make-vocab-size-divisible-by", str(-(-(eod + 1) // 2))]
             load = ["--load", str(initial), "--finetune", "--no-load-optim", "--no-load-rng"]
             lr0, adam = _collection_plan(COLLECTIONS, rollouts), _collection_plan(ADAM, rollouts)
-            runs = {"1": (1, lr0, "0", ["--save", str(initial), "--save-interval",
-                                        str(len(lr0))])}  # fmt: skip
-            waves = [["1"], [*STEP_RUN_LAYOUTS, "Adam 1", "Adam DP2"]]
-            for name in STEP_RUN_LAYOUTS:
-                runs[name] = (STEP_LAYOUTS[name][0], lr0, "0", STEP_LAYOUTS[name][1] + load)
-            runs["Adam 1"] = (1, adam, ADAM_LR, load)
-            runs["Adam DP2"] = (2, adam, ADAM_LR, load)
-            records: dict[str, list] = {}
-            for wave in waves:
-                launches, outs = [], []
-                for name in wave:
-                    nproc, plan, lr, flags = runs[name]
-                    out = self.root / f"{tag}-{len(records) + len(outs)}.jsonl"
-                    path = write_plan(out.with_suffix(".plan.json"), tree, plan, out=out)
-                    args = rl_args(train_iters=len(plan), per_token=True, rollout_set="steps")
-                    args[args.index("--lr") + 1] = lr
-                    launches.append(rl_launch(tree, path, args + vocab + flags, nproc))
-                    outs.append(out)
-                results = run_pretrain_gpts(launches, timeout=3000)
-                for name, out, result in zip(wave, outs, results, strict=True):
-                    assert result.returncode == 0, (name, result.output[-6000:])
-                    records[name] = read_records(out)
-                    assert len(records[name]) == len(runs[name][1]), (name, result.output[-6000:])
-            self.runs[tag] = records
+            save = ["--save", str(initial), "--save-interval", str(len(lr0))]
+            waves = [{"1": RLRun(1, lr0, vocab + save, rollout_set="steps")},
+                     {**{name: RLRun(STEP_LAYOUTS[name][0], lr0,
+                                     vocab + STEP_LAYOUTS[name][1] + load, rollout_set="steps")
+                         for name in STEP_RUN_LAYOUTS},
+                      "Adam 1": RLRun(1, adam, vocab + load, rollout_set="steps", lr=ADAM_LR),
+                      "Adam DP2": RLRun(2, adam, vocab + load, rollout_set="steps",
+                                        lr=ADAM_LR)}]  # fmt: skip
+            self.runs[tag] = run_waves(tree, self.root, tag, waves)
             self.seconds[tag] = time.monotonic() - start
         return self.runs[tag]
 
