@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import own_tests
-from helpers.inputs import needs_input
+from helpers.inputs import needs_stack
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -26,8 +26,10 @@ from megatron_lossfix.audit.stacks.areal import objective, ranks, stack
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_AREAL = importlib.util.find_spec("areal") is not None
-needs_areal = needs_input(
-    HAVE_AREAL, "areal is not installed (docs/areal.md: the [areal] extra, then areal --no-deps)"
+needs_areal = needs_stack(
+    HAVE_AREAL,
+    "areal",
+    "areal is not installed (docs/areal.md: the [areal] extra, then areal --no-deps)",
 )
 TOL = 1e-5
 #: AReaL's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.

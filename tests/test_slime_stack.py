@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import own_tests
-from helpers.inputs import needs_input
+from helpers.inputs import needs_stack
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -33,8 +33,10 @@ from megatron_lossfix.integrations.slime import adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_SLIME = importlib.util.find_spec("slime") is not None
-needs_slime = needs_input(
-    HAVE_SLIME, "slime is not installed (pip install --no-deps <slime source>, see docs/slime.md)"
+needs_slime = needs_stack(
+    HAVE_SLIME,
+    "slime",
+    "slime is not installed (pip install --no-deps <slime source>, see docs/slime.md)",
 )
 TOL = 1e-5
 #: slime's CPU loss tests (its tests/ folder), run unchanged with the adapter switched on.

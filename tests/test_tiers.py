@@ -88,3 +88,15 @@ def test_a_missing_input_skips_but_fails_under_ci(tmp_path, ci):
         assert "CI lacks an input this test needs: SOME_TESTS is not set" in text, text[-3000:]
     else:
         assert out.returncode == 0 and "3 skipped" in text, text[-3000:]
+
+
+def test_a_missing_stack_is_a_missing_input_in_its_own_virtualenv_only(monkeypatch):
+    """CI runs a stack's tests in the virtualenv its page makes (``.venv-<stack>``): there the
+    stack missing fails under CI; in another world (``pytest -m unit`` collects the stack's
+    unit tests there too) it is a plain skip."""
+    from helpers.inputs import MISSING, needs_stack
+
+    monkeypatch.setattr(sys, "prefix", "/clone/.venv-slime")
+    assert needs_stack(False, "slime", "slime").kwargs["reason"] == MISSING + "slime"
+    assert needs_stack(False, "verl", "verl").kwargs["reason"] == "verl"
+    assert needs_stack(True, "slime", "slime").args == (False,)
