@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from helpers.inputs import fail_in_ci
 from helpers.launch import slots
 
 from megatron_lossfix.audit.pool import DistPool
@@ -84,6 +85,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section("figures")
         for line in figures:
             terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Under CI, a test skipped for a missing input (``helpers.inputs``) fails instead."""
+    outcome = yield
+    fail_in_ci(outcome.get_result())
 
 
 @pytest.hookimpl(trylast=True)

@@ -32,10 +32,10 @@ otherwise. The counting pass adds one more agreement (DP x CP on the loss stage,
 group with PP), a CP sum of the kept counts with CP, and what Megatron's forward-only schedule
 communicates (the forward's tensor-parallel all-reduces, the pipeline's activations).
 
-Host syncs (``.item()``, ``.tolist()``, ``bool()``/``float()``/``int()`` of a tensor,
-``.numpy()``, ``.cpu()``, ``nonzero``, ``torch.equal``, and ``torch.tensor``/``torch.as_tensor``,
-a copy from the host that waits for the stream) are counted the same way: inside Megatron's
-schedule (the micro-batch loop) the plugin adds none; per step it reads each agreement once.
+Host syncs (the calls of ``helpers.host_syncs.HOST_SYNCS``: reads of a value, copies to the
+host, tensors built from host data, results sized by the values) are counted the same way:
+inside Megatron's schedule (the micro-batch loop) the plugin adds none; per step it reads each
+agreement once.
 
 ``step_metrics()`` after a step: one collective over DP x CP (an all-reduce; an all-gather where
 the reports hold maxima or minima, which it carries with the sums) and one host read, whatever
@@ -54,6 +54,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.host_syncs import HostSyncs
 
 from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
@@ -180,29 +181,13 @@ def count_collectives() -> Iterator[collections.Counter]:
             setattr(module, attr, value)
 
 
-#: Calls that make the host wait for the device (on a GPU): reads of a value, and tensors built
-#: from host data (a copy to the device, which waits for the stream).
-_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "nonzero", "equal",
-          "cpu", "tensor", "as_tensor")  # fmt: skip
-
-
 @contextmanager
 def count_host_syncs() -> Iterator[collections.Counter]:
-    """Count, while active, the calls that make the host wait for the device, split into
-    ``"loop"`` (while ``schedule_running`` is set: Megatron's schedule, the micro-batch loop)
-    and ``"step"`` (the rest)."""
-    from torch.overrides import TorchFunctionMode
-
-    counts: collections.Counter = collections.Counter()
-
-    class _Counting(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", None) in _SYNCS:
-                counts["loop" if _SCHEDULE_RUNNING[0] else "step"] += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Counting():
-        yield counts
+    """Count, while active, the calls that make the host wait for the device (the tests' one
+    probe, ``helpers.host_syncs``), split into ``"loop"`` (while ``schedule_running`` is set:
+    Megatron's schedule, the micro-batch loop) and ``"step"`` (the rest)."""
+    with HostSyncs(lambda: "loop" if _SCHEDULE_RUNNING[0] else "step") as syncs:
+        yield syncs.counts
 
 
 _SCHEDULE_RUNNING = [False]

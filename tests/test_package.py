@@ -6,6 +6,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -206,20 +207,87 @@ def test_the_step_classes_old_address_still_imports_with_a_warning():
     assert old is Step
 
 
+#: Each framework's folder under ``integrations/`` and the module whose names it serves.
+SERVED = {"megatron_lm": "training", "bridge": "adapter", "verl": "adapter", "skyrl": "adapter",
+          "slime": "adapter", "areal": "adapter"}  # fmt: skip
+
+#: Run in a fresh interpreter, so that the folders' packages and their modules are imported here
+#: and nowhere before: the package's attribute is read first (the first read imports the module),
+#: every warning on the way is recorded, and the module is imported by its own name last.
+_SERVE_PROBE = """
+import importlib, json, sys, warnings
+served, documented = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {"missing": [], "other": [], "unknown": [], "documented": [], "warnings": []}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for framework, module in served.items():
+        package = importlib.import_module(f"megatron_lossfix.integrations.{framework}")
+        names, lazy = {}, []
+        for name in importlib.import_module(package.__name__ + "." + module).__all__:
+            try:
+                names[name] = getattr(package, name)
+            except AttributeError:
+                out["missing"].append(f"{framework}.{name}")
+            except ImportError:  # made on use from a framework not installed here
+                lazy.append(name)
+        module = importlib.import_module(f"{package.__name__}.{module}")
+        out["other"] += [f"{framework}.{n}" for n, v in names.items()
+                         if v is not getattr(module, n)]
+        for name in lazy:
+            try:
+                getattr(module, name)
+                out["other"].append(f"{framework}.{name}: the module serves it, the folder not")
+            except ImportError:
+                pass
+        try:
+            package.no_such_name
+        except AttributeError as e:
+            if "no_such_name" not in str(e):
+                out["unknown"].append(f"{framework}: {e}")
+        else:
+            out["unknown"].append(f"{framework}: no_such_name was served")
+    for address in documented:
+        package, _, name = address.rpartition(".")
+        try:
+            getattr(importlib.import_module(package), name)
+        except (ImportError, AttributeError) as e:
+            out["documented"].append(f"{address}: {e}")
+out["warnings"] = [str(w.message) for w in caught if "megatron_lossfix" in str(w.message)
+                   or "megatron_lossfix" in w.filename]
+print(json.dumps(out))
+"""
+
+
+def _documented_served_addresses() -> list[str]:
+    """``megatron_lossfix.integrations.<framework>.<name>`` as the README, the pages and the
+    patches write it, where ``<name>`` is a served name (not a module of the folder)."""
+    repo = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"megatron_lossfix\.integrations\.(\w+)\.(\w+)")
+    texts = [repo / "README.md", *(repo / "docs").glob("*.md"), *(repo / "patches").glob("*")]
+    found = set()
+    for text in texts:
+        for framework, name in pattern.findall(text.read_text()):
+            folder = repo / "megatron_lossfix" / "integrations" / framework
+            if not (folder / f"{name}.py").exists() and not (folder / name).is_dir():
+                found.add(f"megatron_lossfix.integrations.{framework}.{name}")
+    return sorted(found)
+
+
 def test_a_frameworks_folder_serves_its_adapters_names_without_a_warning():
-    """``integrations.<framework>`` was the adapter's module and is its folder now: the names a
-    user or a patched Megatron-LM tree reads there are still served, with no warning."""
-    import warnings
-
-    from megatron_lossfix.integrations.megatron_lm import training
-    from megatron_lossfix.integrations.megatron_lm import training as megatron_lm
-    from megatron_lossfix.integrations.slime import adapter
-    from megatron_lossfix.integrations.slime import adapter as slime
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert megatron_lm.add_args_provider is training.add_args_provider
-        assert megatron_lm.enable_cpu_megatron_lm is training.enable_cpu_megatron_lm
-        assert slime.enable is adapter.enable
-    with pytest.raises(AttributeError, match="no_such_name"):
-        slime.no_such_name  # noqa: B018
+    """``integrations.<framework>`` was the adapter's module and is its folder now: every name of
+    the adapter's ``__all__`` (``training``'s for Megatron-LM, which the patched trees read), and
+    every such address the README, the pages and the patches write, is served there, the same
+    object, with no warning of ours; a name the module lacks is an AttributeError naming it."""
+    repo = Path(__file__).resolve().parents[1]
+    integrations = repo / "megatron_lossfix" / "integrations"
+    folders = {p.parent.name for p in integrations.glob("*/__init__.py")}
+    assert folders == set(SERVED), "a framework folder was added or removed: update SERVED"
+    documented = _documented_served_addresses()
+    assert "megatron_lossfix.integrations.slime.enable" in documented  # the reading still works
+    run = subprocess.run(
+        [sys.executable, "-c", _SERVE_PROBE, json.dumps(SERVED), json.dumps(documented)],
+        capture_output=True, text=True, cwd=repo, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out == {"missing": [], "other": [], "unknown": [], "documented": [], "warnings": []}

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.inputs import needs_input
 from helpers.megatron_lm_run import NEEDS_ARCHIVES, archives_folder, unpack_tag
 
 from megatron_lossfix.integrations.megatron_lm import patches
@@ -334,7 +335,7 @@ TAG_PATCHES = {
     "main": "megatron_lm_main",
 }
 ARCHIVES = archives_folder()
-needs_archives = pytest.mark.skipif(ARCHIVES is None, reason=NEEDS_ARCHIVES)
+needs_archives = needs_input(ARCHIVES is not None, NEEDS_ARCHIVES)
 
 
 @needs_archives

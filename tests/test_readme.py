@@ -177,6 +177,54 @@ def test_ci_runs_the_readme_test_command():
             assert cmd == test_cmd, f"a page prints another test command: {cmd}"
 
 
+def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProcess:
+    """``.ci/run`` in a clone at ``tmp_path/clone`` with the Megatron-LM archives beside it (and
+    slime's and AReaL's inputs with ``inputs``), stopped where it would install nox: a
+    ``python3`` that prints the inputs it was given and fails."""
+    clone, shared = tmp_path / "clone", tmp_path / "shared"
+    (clone / ".ci").mkdir(parents=True)
+    shutil.copy2(ROOT / ".ci" / "run", clone / ".ci" / "run")
+    tags = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main")
+    names = [f"megatron-lm/{tag}.tar.gz" for tag in tags]
+    if inputs:
+        names += ["slime/slime-624b824.tar.gz", "areal/areal-tests-4aef98d.tar.gz"]
+    for name in names:
+        (shared / name).parent.mkdir(parents=True, exist_ok=True)
+        (shared / name).write_bytes(b"")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        '#!/bin/sh\necho "python3 $* SLIME_SOURCE=${SLIME_SOURCE:-} AREAL_TESTS=${AREAL_TESTS:-}"'
+        "\nexit 3\n"
+    )
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "CI": ci, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS")}
+    return subprocess.run(["bash", str(clone / ".ci" / "run")], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
+    """Under CI a missing input of the stacks' tests fails the run before anything installs,
+    naming what is missing; elsewhere the run goes on, saying which tests are left out; with
+    the inputs there, it exports them for the tests."""
+    missing = ("SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz) "
+               "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)")  # fmt: skip
+    run = _ci_run(tmp_path, ci, inputs=False)
+    if ci:
+        assert run.returncode == 1 and "python3 -m venv" not in run.stdout, run
+        want = f"CI needs its inputs beside the clone; missing: {missing}"
+        assert run.stderr.strip() == want, run.stderr
+    else:
+        assert f"CI inputs missing, their tests are left out: {missing}" in run.stderr, run
+        assert run.returncode == 3 and "python3 -m venv .ci-venv" in run.stdout, run
+    run = _ci_run(tmp_path / "with", ci, inputs=True)
+    assert run.returncode == 3 and "missing" not in run.stderr, run
+    assert "SLIME_SOURCE=/" in run.stdout and "slime-624b824.tar.gz AREAL_TESTS=/" in run.stdout
+
+
 @pytest.mark.unit
 def test_ci_makes_the_quick_start_environment_as_printed(monkeypatch):
     """CI's 3.11 world is the quick start's environment, made as a reader makes it: in a fresh

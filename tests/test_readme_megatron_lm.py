@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import doc_pages
+from helpers.inputs import skip_missing
 from helpers.launch import slots
 from helpers.megatron_lm_run import archives_folder, unpack_tag
 
@@ -64,7 +65,7 @@ def test_readme_cpu_command_runs_as_printed(tmp_path):
     tag = re.search(r"--branch (\S+)", clone)[1]
     folder = archives_folder()
     if folder is None or not (folder / f"{tag}.tar.gz").is_file():
-        pytest.skip(f"needs MEGATRON_LM_ARCHIVES with {tag}.tar.gz (the tag the page clones)")
+        skip_missing(f"MEGATRON_LM_ARCHIVES with {tag}.tar.gz (the tag the page clones)")
     work = tmp_path / "clone"
     work.mkdir()
     assert clone.split()[-1] == "../Megatron-LM", clone

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.inputs import needs_stack
 
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.audit.options import AuditOptions
@@ -20,9 +21,7 @@ from megatron_lossfix.audit.oracle import microbatch_plan, relative_error
 from megatron_lossfix.integrations.skyrl.adapter import SKYRL_MODES, lossfix_config_for
 
 HAVE_SKYRL = importlib.util.find_spec("skyrl") is not None
-needs_skyrl = pytest.mark.skipif(
-    not HAVE_SKYRL, reason="SkyRL is not installed (pip install -e .[skyrl])"
-)
+needs_skyrl = needs_stack(HAVE_SKYRL, "skyrl", "SkyRL is not installed (pip install -e .[skyrl])")
 TOL = 1e-5
 
 

@@ -9,12 +9,13 @@ the plugin's wrapper or in its loss functions (``weighted_loss``, ``rl_loss``), 
 
 from __future__ import annotations
 
-import traceback
+import operator
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from helpers.host_syncs import HOST_SYNCS, HostSyncs
 
 from megatron_lossfix.rl.objective import rl_loss
 from megatron_lossfix.runtime.config import LossFixConfig
@@ -122,31 +123,8 @@ def test_one_group_id_parser():
 
 
 # --------------------------------------------------------------------- no host sync in the loop
-#: Calls that make the host wait for the device on a GPU: reads of a value (``.item()``,
-#: ``bool()``, ...), and tensors built from host data (``torch.tensor``: a copy to the device,
-#: which waits for the stream).
-HOST_SYNCS = frozenset(
-    ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero",
-     "equal", "cpu", "tensor", "as_tensor")
-)  # fmt: skip
 #: The modes whose weights need no group ids.
 PLAIN_MODES = tuple(m for m in REDUCTIONS if mode_of(m).weights is not None)
-
-
-class _HostSyncs(TorchFunctionMode):
-    """Records each host-sync call made while active, with the plugin line that made it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_SYNCS:
-            frames = [f for f in traceback.extract_stack() if "megatron_lossfix" in f.filename]
-            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-            self.calls.append(f"{name} at {where}")
-        return func(*args, **(kwargs or {}))
 
 
 def _rl_forward_step(data_iterator, model):
@@ -200,7 +178,7 @@ def _microbatch_loop(mode: str, loss: str, per_token: bool, mask_in_loss: bool) 
     real, log = MicroBatches(batches, weights, config), PassLog()
     model = torch.ones((), requires_grad=True)
     step = wrap_forward_step(LOSSES[loss], real, settings, log)
-    with _HostSyncs() as syncs:
+    with HostSyncs() as syncs:
         for _ in range(num):
             output, loss_func = step(real, model)
             loss_func(output)[0].backward()
@@ -221,14 +199,19 @@ def test_no_host_sync_in_the_microbatch_loop(mode, loss):
 
 
 def test_the_host_sync_probe_sees_what_it_looks_for():
-    with _HostSyncs() as syncs:
-        x = torch.ones(2)
-        float(x.sum()), bool(x.any()), x.tolist(), torch.tensor(1.0), x[0].item()
-        x * 2, x.sum(), torch.where(x > 0, x, 0.0)  # no sync
-    assert [call.split(" at ")[0] for call in syncs.calls] == [
-        "__float__",
-        "__bool__",
-        "tolist",
-        "tensor",
-        "item",
-    ]
+    """The probe the tests share (``helpers.host_syncs``) records each call of its list, once,
+    and nothing that stays on the device."""
+    x = torch.tensor([1.0, 0.0, 2.0])
+    with HostSyncs() as syncs:
+        x[0].item(), x.tolist(), x.numpy(), np.asarray(x)
+        bool(x[0]), float(x[0]), int(x[0]), operator.index(x.long()[0])
+        torch.equal(x, x), torch.allclose(x, x), x.cpu(), torch.tensor(1.0), torch.as_tensor([1])
+        x.nonzero(), torch.argwhere(x), x.masked_select(x > 0), torch.unique(x)
+        torch.unique_consecutive(x)
+        x * 2, x.sum(), torch.where(x > 0, x, 0.0), x.to(torch.float64), x.clone()  # no sync
+    assert syncs.names() == [
+        "item", "tolist", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__",
+        "equal", "allclose", "cpu", "tensor", "as_tensor", "nonzero", "argwhere",
+        "masked_select", "unique", "unique_consecutive",
+    ]  # fmt: skip
+    assert set(syncs.names()) == HOST_SYNCS

@@ -13,13 +13,16 @@ import importlib.util
 from functools import partial
 
 import pytest
+from helpers.inputs import needs_stack
 
 from megatron_lossfix.audit.command import main
 from megatron_lossfix.audit.matrix import parse_layout
 from megatron_lossfix.integrations.verl import adapter
 
-needs_verl = pytest.mark.skipif(
-    importlib.util.find_spec("verl") is None, reason="verl is not installed: pip install -e .[verl]"
+needs_verl = needs_stack(
+    importlib.util.find_spec("verl") is not None,
+    "verl",
+    "verl is not installed: pip install -e .[verl]",
 )
 
 # ------------------------------------------------------------------------------ unit

@@ -1,9 +1,11 @@
 """Rank functions and the pytest plugin for tests/test_areal_stack.py (module-level, so the rank
-pool can pickle them and pytest can load the plugin with ``-p``)."""
+pool can pickle them and pytest can load the plugin with ``-p``, beside ``helpers.own_tests``)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from helpers import own_tests
 
 
 def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
@@ -86,7 +88,14 @@ def pytest_configure(config: Any) -> None:
 
     schedule = MegatronEngine.train_batch.lossfix_schedule
     config.areal_adapter = schedule
-    config.areal_hooks = _Hooks()
+    config.areal_hooks = hooks = _Hooks()
+
+    def at_end() -> dict[str, Any]:
+        on = getattr(MegatronEngine.train_batch, "lossfix_schedule", None) is schedule
+        return {"adapter": f"train_batch ({schedule.config.reduction})", "still_on": on,
+                "hook_calls": dict(hooks.calls), "hooks_recorded": sorted(hooks.seen)}  # fmt: skip
+
+    own_tests.report_at_end(at_end)
 
 
 def pytest_unconfigure(config: Any) -> None:

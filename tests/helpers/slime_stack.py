@@ -1,10 +1,12 @@
 """Rank functions and the pytest plugin for tests/test_slime_stack.py (module-level, so the rank
-pool can pickle them and pytest can load the plugin with ``-p``)."""
+pool can pickle them and pytest can load the plugin with ``-p``, beside ``helpers.own_tests``)."""
 
 from __future__ import annotations
 
 from argparse import Namespace
 from typing import Any
+
+from helpers import own_tests
 
 
 def bypassed_layout_grads(*args: Any, **kwargs: Any) -> Any:
@@ -59,6 +61,14 @@ def pytest_configure(config: Any) -> None:
 
     assert slime_model.get_forward_backward_func() is fbf
     config.slime_adapter = fbf
+
+    def at_end() -> dict[str, Any]:
+        # slime's own tests call its reducer and policy loss directly: the adapter's own loss
+        # call (which replaces the reducer while it runs) is not reached, only its switch.
+        return {"adapter": f"{type(fbf).__name__} ({fbf.config.reduction})",
+                "still_on": slime_model.get_forward_backward_func() is fbf}  # fmt: skip
+
+    own_tests.report_at_end(at_end)
 
 
 def _one_rank_megatron() -> None:
