@@ -18,7 +18,8 @@ after the printed unit tier).
   SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
   (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
   page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
-  which ``.ci/run`` sets: slime is not on the package index, and without it its tests skip).
+  which ``.ci/run`` sets: slime is not on the package index; without it its tests skip, and
+  under CI the run stops).
 
 * ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone.
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.

@@ -236,6 +236,26 @@ def test_logged_lm_loss_is_L(layout, reduction, tmp_path_factory):
         assert _rel(value, record["loss"]) <= RTOL, (value, record)
 
 
+@pytest.mark.e2e
+@needs_bridge
+@pytest.mark.parametrize(
+    "layout, reduction", [("dp2", "token_mean"), ("pp2", "sequence_mean"), ("dp2", "off")]
+)
+def test_bridges_own_loop_runs_the_default_first_step_check(layout, reduction, tmp_path_factory):
+    """Bridge's own training loop, launched with the default flags, checks its first step: one
+    line from rank 0, that it passed and how the step was re-run (micro-batch 1 under DP2: the
+    halves of the loss tokens; PP2 at micro-batch 2: each micro-batch cut in two); no line
+    says the check stayed out. ``off`` is stock Bridge: no check."""
+    _, log = _run(layout, reduction, tmp_path_factory)
+    said = [line for line in log.splitlines() if "megatron_lossfix self-check" in line]
+    if reduction == "off":
+        assert said == [], said
+        return
+    assert len(said) == 1 and "megatron_lossfix self-check passed" in said[0], said
+    how = "halves of the loss tokens" if layout == "dp2" else "each micro-batch cut in 2"
+    assert how in said[0], said
+
+
 # ---------------------------------------------------------------------------------- LoRA
 @pytest.mark.e2e
 @needs_bridge
