@@ -462,6 +462,8 @@ PASSING = [
     ("dp2-m2-packed-seq", Layout(), 2, 2, {"packed": True, "reduction": "sequence_mean"}, "halves"),
     ("pp2-m4-packed-per-token", Layout(pp=2), 2, 4, {"packed": True, "per_token": True}, "halves"),
     ("pp2-vpp2-m4", Layout(pp=2, vpp=2), 2, 4, {}, "split"),
+    # Interleaved at micro-batch 1: the halves' window is the schedule's group (2).
+    ("pp2-vpp2-m24-halves", Layout(pp=2, vpp=2), 2, 24, {}, "halves"),
     ("dp2-m2-distopt", Layout(), 2, 2, {"use_distributed_optimizer": True}, "split"),
     ("dp2-m2-dropout", Layout(), 2, 2, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "split"),
     ("dp2-m2-per-token", Layout(), 2, 2, {"per_token": True}, "split"),
@@ -498,6 +500,7 @@ FAILING = [
     ("dp2-m12-per-token-raw-count", Layout(), 2, 12, {"loss": "raw_count", "per_token": True}),
     ("pp2-m24-raw-count", Layout(pp=2), 2, 24, {"loss": "raw_count"}),
     ("pp2-m4-packed-per-sequence", Layout(pp=2), 2, 4, {"loss": "per_sequence", "packed": True}),
+    ("pp2-vpp2-m24-raw-count", Layout(pp=2, vpp=2), 2, 24, {"loss": "raw_count"}),
     (
         "tp2-pp2-m4-broadcast-double",
         Layout(tp=2, pp=2),
