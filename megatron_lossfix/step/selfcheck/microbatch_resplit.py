@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron_lossfix.runtime.weights import segment_ids
+
 __all__ = ["loss_token_half", "resplit", "resplit_plan"]
 
 
@@ -130,10 +132,8 @@ def _packed_sequences(cu_seqlens: Any, tokens: torch.Tensor) -> tuple | None:
         return None
     if any(b > a for a, b in zip(bounds[1:], bounds, strict=False)):
         return None  # not non-decreasing: some other convention (padded with -1, ...)
-    device = tokens.device
-    ends = torch.tensor(bounds[1:], device=device)
-    index = torch.searchsorted(ends, torch.arange(total, device=device), right=True)[None, :]
-    per_sequence = torch.zeros(len(bounds), dtype=torch.long, device=device)
+    index = segment_ids(cu_seqlens, total)[0].to(tokens.device)
+    per_sequence = torch.zeros(len(bounds), dtype=torch.long, device=tokens.device)
     per_sequence.index_add_(0, index[tokens], torch.ones_like(index[tokens]))
     holding = [i for i, n in enumerate(per_sequence.tolist()[:-1]) if n > 0]
     return (index, holding, bounds) if len(holding) >= 2 else None

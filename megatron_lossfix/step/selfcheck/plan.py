@@ -9,6 +9,7 @@ neither runs (:func:`choose_plan`); :func:`how_resplit` says the plan in words.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -142,12 +143,15 @@ def _halves_window(
     these only, so the check costs two runs of the step and these, not three runs."""
     m = call["num_microbatches"]
     width = min(m, group or 1)
-    counts = []
-    for batch in reads[-1] or () if reads else ():  # the loss stage's last iterator's reads
-        mask = batch.get(config.loss_mask_key) if isinstance(batch, dict) else None
-        counts.append(float((mask != 0).sum()) if isinstance(mask, torch.Tensor) else 0.0)
+    got = (reads[-1] if reads else None) or []  # the loss stage's last iterator's reads
+    masks = [b.get(config.loss_mask_key) if isinstance(b, Mapping) else None for b in got]
+    none = torch.zeros((), device=model.device)
+    counts = [
+        (mask != 0).sum().to(none) if isinstance(mask, torch.Tensor) else none for mask in masks
+    ]
     best = -1.0  # a stage that reads no mask has no say
     if len(counts) == m:
+        counts = torch.stack(counts).tolist()  # the first step's check only: one host copy
         sums = [sum(counts[i : i + width]) for i in range(m - width + 1)]
         best = float(max(range(len(sums)), key=sums.__getitem__))
     start = int(max_over([best], model.device, shards.mp)[0])

@@ -140,8 +140,8 @@ def _reruns(
             kwargs = replays(call, data, ("halves", 2, len(window), None), source=False)
         else:
             kwargs = replays(call, data, plan if which is None else None, source=False)
-        first = window.start if which == 1 else 0
-        kwargs["forward_step_func"] = _named_errors(kwargs["forward_step_func"], plan, first)
+        offset = window.start if which == 1 else 0  # the step's index of the run's first
+        kwargs["forward_step_func"] = _named_errors(kwargs["forward_step_func"], plan, offset)
         if which is not None:
             kwargs["forward_step_func"] = _counting_tokens(kwargs["forward_step_func"], tokens,
                                                            which)  # fmt: skip
