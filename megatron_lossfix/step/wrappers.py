@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_lossfix.runtime.process_groups import max_over
+
 #: What to use instead of a refused wrapper.
 INSTEAD = (
     "use Megatron DDP (megatron.core.distributed.DistributedDataParallel, Megatron-LM's "
@@ -216,15 +218,11 @@ def agree_scale_seen(chunks: list, verdict: int, groups: list) -> str | None:
     """Every rank's verdict (:func:`scale_gradients`), the worst over ``groups`` (named groups,
     together spanning the ranks of the model): why the scale cannot be relied on (on every
     rank), else None; the chunks count as seen once some rank saw the scale work."""
-    flag = torch.tensor([float(verdict)], dtype=torch.float64)
+    worst = verdict
     if dist.is_initialized():
         from megatron_lossfix.step.agreement import default_device
 
-        flag = flag.to(default_device())
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    worst = int(flag.item())
+        worst = int(max_over([float(verdict)], default_device(), *groups)[0])
     if worst == 2:
         names = sorted({type(c).__name__ for c in chunks})
         return (
