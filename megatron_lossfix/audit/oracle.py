@@ -22,6 +22,7 @@ from megatron_lossfix.audit.oracle_case import (
     OracleCase,
     id_ranges,
     make_global_batch,
+    microbatch_ids,
     microbatch_plan,
     prompt_groups,
     row_settings,
@@ -198,12 +199,9 @@ def _local_microbatches(
         mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
-    # Each sequence a pair of its own (pair_mean; pairs of several sequences: the stacks).
-    pairs = [
-        {"pair_ids": torch.arange(len(mb["group_ids"]), device=mb["group_ids"].device)}
-        for mb in mbs
+    return [
+        {**mb, **microbatch_ids(case, len(mb["group_ids"]), mb["group_ids"].device)} for mb in mbs
     ]
-    return [{**mb, **id_ranges(case), **p} for mb, p in zip(mbs, pairs, strict=True)]
 
 
 def layout_grads(
