@@ -26,8 +26,10 @@ The switch :func:`enable` (no edit of ROLL's files) replaces, in this process:
 
 Modes: ``token-mean`` is ``token_mean``, ``seq-mean-token-mean`` is ``sequence_mean``,
 ``seq-mean-token-sum`` is ``seq_mean_token_sum_norm`` with constant 1 and
-``seq-mean-token-sum-norm`` is ``seq_mean_token_sum_norm`` with ROLL's static divisor (the batch's
-width minus one, what ROLL divides by without dynamic batching or packing) or ``norm_constant``.
+``seq-mean-token-sum-norm`` is the plugin's ``sum`` over Dr. GRPO's constant: ROLL divides the
+step's token sum by the constant alone, no sequence count (the plugin's ``seq_mean_token_sum_norm``
+also divides by the sequences); the constant is ROLL's static divisor (the batch's width minus
+one, what ROLL divides by without dynamic batching or packing) or ``norm_constant``.
 Tokens a train-infer filter drops are zeroed and still counted by default (the plugin's zeroed
 meaning, what ROLL's counts mean); with ``enable(mask_in_loss=True)`` they leave the count (the
 excluded meaning): ROLL's filter depends on the data alone (old and inference log-probs), so the
@@ -57,12 +59,13 @@ __all__ = [
     "plugin_mode",
 ]
 
-#: ROLL's ``loss_agg_mode`` -> (the plugin's mode, its constant; ``None``: the static width).
-ROLL_MODES: dict[str, tuple[str, float | None]] = {
-    "token-mean": ("token_mean", None),
-    "seq-mean-token-mean": ("sequence_mean", None),
-    "seq-mean-token-sum": ("seq_mean_token_sum_norm", 1.0),
-    "seq-mean-token-sum-norm": ("seq_mean_token_sum_norm", None),
+#: ROLL's ``loss_agg_mode`` -> (the plugin's mode, its constant, whether the weights are divided
+#: by Dr. GRPO's constant: ROLL divides the step's token sum by it alone, with no sequence count).
+ROLL_MODES: dict[str, tuple[str, float | None, bool]] = {
+    "token-mean": ("token_mean", None, False),
+    "seq-mean-token-mean": ("sequence_mean", None, False),
+    "seq-mean-token-sum": ("seq_mean_token_sum_norm", 1.0, False),
+    "seq-mean-token-sum-norm": ("sum", None, True),
 }
 #: The batch fields the adapter adds for the step (removed after it).
 WEIGHT_KEY, SAMPLE_KEY, PAIR_KEY = "lossfix_weight", "lossfix_sample_weight", "lossfix_pair_weight"
@@ -83,18 +86,20 @@ _ORIGINALS: dict[str, Any] = {}
 _SETTINGS: dict[str, Any] = {}
 
 
-def plugin_mode(loss_agg_mode: str, width: int, norm_constant: float | None) -> tuple[str, float]:
-    """The plugin's mode and constant for ROLL's ``loss_agg_mode`` on a batch of ``width``
-    log-prob positions; ``ValueError`` naming the choices for another mode."""
+def plugin_mode(
+    loss_agg_mode: str, width: int, norm_constant: float | None
+) -> tuple[str, float | None, float]:
+    """The plugin's mode, its constant and the divisor of its weights for ROLL's
+    ``loss_agg_mode`` on a batch of ``width`` log-prob positions (Dr. GRPO's constant:
+    ``norm_constant``, else ``width``); ``ValueError`` naming the choices for another mode."""
     if loss_agg_mode not in ROLL_MODES:
         raise ValueError(
             f"loss_agg_mode {loss_agg_mode!r} has no counterpart in megatron_lossfix; choose "
             f"from {', '.join(ROLL_MODES)}"
         )
-    mode, constant = ROLL_MODES[loss_agg_mode]
-    if constant is None and mode == "seq_mean_token_sum_norm":
-        constant = float(norm_constant if norm_constant is not None else width)
-    return mode, constant
+    mode, constant, divided = ROLL_MODES[loss_agg_mode]
+    divisor = float(norm_constant if norm_constant is not None else width) if divided else 1.0
+    return mode, constant, divisor
 
 
 def _dp_group() -> Any:
@@ -154,10 +159,12 @@ def _prepare_actor(strategy: Any, worker: Any, batch: Any) -> str:
     mask = response.float()
     needs_filter = _SETTINGS["mask_in_loss"] or config.length_loss_weight
     keep = _filter_keep(worker, batch, mask) if needs_filter else torch.ones_like(mask)
-    mode, constant = plugin_mode(config.loss_agg_mode, mask.shape[-1], _SETTINGS["norm_constant"])
+    mode, constant, divisor = plugin_mode(
+        config.loss_agg_mode, mask.shape[-1], _SETTINGS["norm_constant"]
+    )
     counted = mask * keep if _SETTINGS["mask_in_loss"] else mask
     (weights,) = loss_weights([counted], mode, norm_constant=constant, dp_group=_dp_group())
-    batch.batch[WEIGHT_KEY] = weights
+    batch.batch[WEIGHT_KEY] = weights / divisor
     if config.length_loss_weight or config.difficulty_loss_weight:
         lengths = (mask * keep).sum(-1)
         batch.batch[SAMPLE_KEY] = _step_sample_weights(worker, batch, lengths)

@@ -37,6 +37,7 @@ from megatron_lossfix.audit.stacks.modes import StackMode
 
 __all__ = [
     "BATCHINGS",
+    "DIVISOR",
     "DROPPING",
     "MASKED_SAMPLES",
     "MODES",
@@ -58,10 +59,11 @@ MODES: dict[str, StackMode] = {
     "token-mean": StackMode(plugin_mode="token_mean"),
     "seq-mean-token-mean": StackMode(plugin_mode="sequence_mean"),
     "seq-mean-token-sum": StackMode(plugin_mode="seq_mean_token_sum_norm", norm_constant=1.0),
-    "seq-mean-token-sum-norm": StackMode(
-        plugin_mode="seq_mean_token_sum_norm", norm_constant=float(STATIC_WIDTH)
-    ),
+    "seq-mean-token-sum-norm": StackMode(plugin_mode="sum"),
 }
+#: ROLL's divisor of the weights beyond the plugin mode's: Dr. GRPO divides the step's token sum
+#: by the constant alone (no sequence count, unlike the plugin's ``seq_mean_token_sum_norm``).
+DIVISOR: dict[str, float] = {"seq-mean-token-sum-norm": float(STATIC_WIDTH)}
 #: Fully masked samples of the batch.
 MASKED_SAMPLES: tuple[int, ...] = (0, 7, 15)
 PG_CLIP = 0.2

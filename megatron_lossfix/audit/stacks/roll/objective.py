@@ -6,7 +6,8 @@ the ratio ``r = exp(logp - old)``, the policy term ``pg = -min(r a, clip(r, 0.8,
 the sample's weight ``v`` (1, or ROLL's length weight computed over the whole step), and the
 ``k3`` KL term ``k = exp(ref - logp) - (ref - logp) - 1`` (clamped to [-10, 10], coefficient
 0.1). The loss is ``sum(w (v pg + 0.1 k) keep)``: ``w`` the plugin's weights of the mode's
-counterpart (``batch.MODES``, Dr. GRPO's constant the static width), ``keep`` the filter's kept
+counterpart (``batch.MODES``; Dr. GRPO: the ``sum`` weights over the static width, ROLL's
+divisor without dynamic batching or packing), ``keep`` the filter's kept
 tokens, in one of two meanings (docs/masks_in_loss.md):
 
 * zeroed: ``w`` over the response's loss tokens, the filtered ones still counted;
@@ -89,6 +90,7 @@ def roll_reference(
         stack_mode.plugin_mode,
         norm_constant=stack_mode.norm_constant,
     )
+    w = w / rb.DIVISOR.get(mode, 1.0)
     v = torch.ones(mask.shape[0])
     if rb.SETTINGS[setting].get("length_loss_weight"):
         v = length_weights(keep.sum(-1))

@@ -91,6 +91,16 @@ def _bind_cp_slicing(module: torch.nn.Module) -> None:
     module.get_batch_on_this_cp_rank = types.MethodType(get_batch_on_this_cp_rank, module)
 
 
+def _logits_as_on_gpu(module: torch.nn.Module) -> None:
+    """The last stage's logits in float64 (exact for float32 values). ``mcore_adapter``'s
+    log-probs call ``.float()`` on the logits and then work on them in place: on a GPU's bf16
+    logits that is a copy; on the CPU's float32 logits it is the logits themselves, and the packed
+    samples (views of one output) then overwrite what autograd saved. A float64 output makes
+    ``.float()`` copy again, as it does on a GPU."""
+    if getattr(module, "post_process", False):
+        module.register_forward_hook(lambda _mod, _args, out: out.double())
+
+
 class _Models(list):
     """``mcore_adapter``'s ``VirtualModels`` as the strategy's step uses it: the model chunks
     (Megatron DDP), ``train``, ``get_models`` and the config."""
@@ -170,6 +180,7 @@ def audit_strategy(
     unwrapped = [chunk.module for chunk in chunks]
     for module in unwrapped:
         _bind_cp_slicing(module)
+        _logits_as_on_gpu(module)
     strategy.model = _Models(chunks, config)
     strategy.models_unwrapped = unwrapped
     strategy.forward_backward_func = get_forward_backward_func()
