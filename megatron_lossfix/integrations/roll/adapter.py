@@ -16,7 +16,8 @@ The switch :func:`enable` (no edit of ROLL's files) replaces, in this process:
    whole rows in ROLL's loss), ROLL's sample weights over the whole step, or DPO's pair weights,
    and hands them to ROLL's step as batch fields, which ROLL's own micro-batching (static, dynamic,
    packed) cuts with the rows; then ROLL's step runs unchanged;
-2. ``agg_loss`` as the RLVR actor's module sees it: in the step's ``loss_agg_mode`` it returns
+2. ``agg_loss`` (as the RLVR actor's module sees it, and ``roll.utils.functionals.agg_loss``
+   for code that looks it up there): in the step's ``loss_agg_mode`` it returns
    ``sum(w x loss x mask)`` (times the sample weights it is given) with the plugin's weights
    ``w``; every other call (metrics in another mode) is ROLL's own;
 3. ``ActorWorker.compute_sample_weights`` (RLVR): the step's weights, as ROLL computes them on one
@@ -297,11 +298,13 @@ def _targets() -> dict[str, tuple[Any, str, Any]]:
     """What :func:`enable` replaces: name -> (owner, attribute, replacement)."""
     import roll.pipeline.dpo.actor_worker as dpo
     import roll.pipeline.rlvr.actor_worker as rlvr
+    import roll.utils.functionals as functionals
     from roll.distributed.strategy.megatron_strategy import MegatronTrainStrategy
 
     return {
         "train_step": (MegatronTrainStrategy, "train_step", lossfix_train_step),
         "agg_loss": (rlvr, "agg_loss", _agg_loss),
+        "functionals_agg_loss": (functionals, "agg_loss", _agg_loss),
         "compute_sample_weights": (
             rlvr.ActorWorker,
             "compute_sample_weights",
@@ -321,8 +324,8 @@ def enable(*, mask_in_loss: bool = False, norm_constant: float | None = None) ->
     _SETTINGS.update(mask_in_loss=bool(mask_in_loss), norm_constant=norm_constant)
     if not _ORIGINALS:
         for name, (owner, attr, replacement) in _targets().items():
-            _ORIGINALS[name] = owner.__dict__[attr] if isinstance(owner, type) else getattr(
-                owner, attr
+            _ORIGINALS[name] = (
+                owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
             )
             setattr(owner, attr, replacement)
     return disable

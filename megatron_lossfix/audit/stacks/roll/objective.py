@@ -59,7 +59,7 @@ def _log_probs(model: Any, ids: torch.Tensor) -> torch.Tensor:
 def _dpo_loss(logp: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The mean DPO loss over the step's pairs (module docstring)."""
     positions = torch.arange(rb.SEQ_LENGTH)[None, :]
-    mask = (batch["attention_mask"].bool() & (positions >= batch["prompt_id_lens"][:, None]))
+    mask = batch["attention_mask"].bool() & (positions >= batch["prompt_id_lens"][:, None])
     mask = mask[:, 1:].float()
     sums = (logp * mask).sum(-1)
     refs = (batch["reference_log_probs"] * mask).sum(-1)
