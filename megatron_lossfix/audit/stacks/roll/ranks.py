@@ -20,6 +20,8 @@ configuration fields the step reads.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import types
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -263,6 +265,8 @@ def roll_layout_grads(
 
     from megatron_lossfix.audit import tiny_gpt
 
+    # ROLL's logger writes a file per process, by default under ./output/logs.
+    os.environ.setdefault("ROLL_LOG_DIR", os.path.join(tempfile.gettempdir(), "roll-audit-logs"))
     tiny_gpt.init_layout(layout)
     chunks, config = tiny_gpt.case_tiny_gpt(layout, case)
     out = {}
