@@ -156,6 +156,9 @@ def test_bypassing_the_adapter_fails_the_check(roll_pool):
     err = _errors(roll_pool, bypassed_layout_grads, "dp2-m3", ("seq-mean-token-sum-norm",),
                   ("filter",), ("dynamic",), rows=(ranks.ADAPTED_ROW,))  # fmt: skip
     assert err[(ranks.ADAPTED_ROW, "seq-mean-token-sum-norm", "filter@dynamic", False)] > 0.1
+    err = _errors(roll_pool, bypassed_layout_grads, "dp2-m3", ("token-mean",), ("dpo",),
+                  ("static",), rows=(ranks.ADAPTED_ROW,))  # fmt: skip
+    assert err[(ranks.ADAPTED_ROW, "token-mean", "dpo@static", False)] > 1.0  # x M x DP
 
 
 @needs_roll

@@ -23,7 +23,8 @@ The switch :func:`enable` (no edit of ROLL's files) replaces, in this process:
 3. ``ActorWorker.compute_sample_weights`` (RLVR): the step's weights, as ROLL computes them on one
    rank with one micro-batch (its own method, over the step's response lengths gathered over DP);
 4. ``loss_fn`` of ROLL's DPO worker: ``sum_p w_p l_p`` with ``l_p`` ROLL's own loss of pair ``p``
-   and ``w_p`` the plugin's pair weight (``pair_mean``: every pair of the step counts once).
+   and ``w_p`` the plugin's pair weight (``pair_mean`` and ``pair_weights``: every pair of the
+   step with a response token counts once, whatever micro-batch or rank holds it).
 
 Modes: ``token-mean`` is ``token_mean``, ``seq-mean-token-mean`` is ``sequence_mean``,
 ``seq-mean-token-sum`` is ``seq_mean_token_sum_norm`` with constant 1 and
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lossfix.runtime.losses import loss_weights
+from megatron_lossfix.runtime.pairs import pair_weights
 
 __all__ = [
     "ROLL_MODES",
@@ -173,7 +175,9 @@ def _prepare_actor(strategy: Any, worker: Any, batch: Any) -> str:
 
 
 def _prepare_dpo(strategy: Any, batch: Any) -> None:
-    """DPO's pair weights (``pair_mean``: one over the step's pairs), one per row."""
+    """DPO's pair weights, one per row (its pair's): the plugin's ``pair_mean`` weights of the
+    pairs' response tokens (ROLL's ``get_logps`` mask), summed over each pair (``pair_weights``):
+    ``1 / P`` over the step's pairs with a response token, counted over the data-parallel group."""
     config = strategy.worker_config
     if config.use_dynamic_batching_in_train or config.use_sequence_packing:
         raise ValueError(
@@ -181,14 +185,21 @@ def _prepare_dpo(strategy: Any, batch: Any) -> None:
             "apart and sequence packing takes each row's loss alone; turn both off"
         )
     rows = batch.batch["input_ids"].shape[0]
-    if rows % 2:
-        raise ValueError(f"ROLL's DPO batch has {rows} rows: it needs (chosen, rejected) pairs")
-    # One unit per pair: the token mean over one token per pair weighs every pair 1 / P.
-    device = batch.batch["input_ids"].device
-    (weights,) = loss_weights(
-        [torch.ones(rows // 2, 1, device=device)], "token_mean", dp_group=_dp_group()
-    )
-    batch.batch[PAIR_KEY] = weights[:, 0].repeat_interleave(2)
+    per_micro = config.training_args.per_device_train_batch_size
+    if rows % 2 or per_micro % 2:
+        raise ValueError(
+            f"ROLL's DPO pairs adjacent rows: the batch ({rows} rows) and "
+            f"per_device_train_batch_size ({per_micro}) must be even"
+        )
+    attention = batch.batch["attention_mask"].bool()
+    positions = torch.arange(attention.shape[-1], device=attention.device)[None, :]
+    prompt = batch.batch["prompt_id_lens"].to(attention.device)[:, None]
+    mask = (attention & (positions >= prompt))[:, 1:]
+    # Local to this rank's batch, which the plugin weighs as one micro-batch; ROLL's even
+    # micro-batches keep every pair whole.
+    ids = torch.arange(rows, device=mask.device) // 2
+    (weights,) = loss_weights([mask], "pair_mean", pair_ids=[ids], dp_group=_dp_group())
+    batch.batch[PAIR_KEY] = pair_weights(weights, ids)[ids]
 
 
 def lossfix_train_step(self: Any, batch: Any, loss_func: Callable) -> Any:
