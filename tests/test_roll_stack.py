@@ -76,6 +76,20 @@ def test_plan_runs_mask_in_loss_for_the_filter_and_dpo_once_statically():
 
 
 @pytest.mark.unit
+def test_adapter_modes_match_the_audits_objective_and_refuse_others():
+    from megatron_lossfix.integrations.roll.adapter import plugin_mode
+
+    for name, mode in stack.MODES.items():
+        plugin, constant, divisor = plugin_mode(name, rb.STATIC_WIDTH, None)
+        assert (plugin, constant) == (mode.plugin_mode, mode.norm_constant), name
+        assert divisor == rb.DIVISOR.get(name, 1.0), name
+    # Dr. GRPO's constant: the static width, whatever a micro-batch's width, or the user's.
+    assert plugin_mode("seq-mean-token-sum-norm", 7, 4096.0)[2] == 4096.0
+    with pytest.raises(ValueError, match="loss_agg_mode 'token-sum'.*choose from"):
+        plugin_mode("token-sum", 31, None)
+
+
+@pytest.mark.unit
 def test_length_weights_average_one_and_fall_with_length():
     w = objective.length_weights(torch.tensor([0.0, 3.0, 6.0, 12.0]))
     assert torch.allclose(w.mean(), torch.tensor(1.0))
