@@ -137,6 +137,7 @@ setup(
             "omegaconf",
             "peft",
             "codetiming",
+            "more_itertools",
             "pillow",
             "imageio",
             "modelscope",
