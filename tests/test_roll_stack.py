@@ -164,6 +164,16 @@ def test_adapter_is_exact_where_roll_is_not_under_cp(roll_pool):
 
 @needs_roll
 @pytest.mark.e2e
+def test_adapter_is_exact_under_pp_with_dynamic_batching(roll_pool):
+    """PP2: Megatron's pipeline schedule with the variable widths of dynamic batching."""
+    err = _errors(roll_pool, ranks.roll_layout_grads, "pp2-m3", ("seq-mean-token-sum-norm",),
+                  ("length",), ("dynamic",), rows=(ranks.ROLL_ROW, ranks.ADAPTED_ROW))  # fmt: skip
+    assert err[(ranks.ADAPTED_ROW, "seq-mean-token-sum-norm", "length@dynamic", False)] < TOL
+    assert err[(ranks.ROLL_ROW, "seq-mean-token-sum-norm", "length@dynamic", False)] > 0.1
+
+
+@needs_roll
+@pytest.mark.e2e
 def test_bypassing_the_adapter_fails_the_check(roll_pool):
     from helpers.roll_stack import bypassed_layout_grads
 
