@@ -123,6 +123,28 @@ setup(
             "trackio",
             "wandb",
         ],
+        # What ROLL's Megatron strategy, its RLVR actor and DPO worker (roll/distributed/strategy/
+        # megatron_strategy.py, roll/pipeline/{rlvr,dpo}/actor_worker.py) and mcore_adapter import
+        # on CPU beside torch and megatron-core (no vLLM, Transformer Engine or flash-attn).
+        # ROLL is not on the package index (the index's `roll` and `mcore-adapter` are unrelated
+        # projects): its mcore_adapter/ and its tree install from its source without dependencies
+        # beside this extra (docs/roll.md; CI runs that page's line in a fresh virtualenv).
+        "roll": [
+            "transformers>=4.50.0",
+            "accelerate>=0.27.2",
+            "ray",
+            "tensordict>=0.10.0",
+            "omegaconf",
+            "peft",
+            "codetiming",
+            "more_itertools",
+            "pillow",
+            "imageio",
+            "modelscope",
+            "pybase64",
+            "opentelemetry-exporter-otlp",
+            "TransferQueue==0.1.6",
+        ],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

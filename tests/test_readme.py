@@ -187,19 +187,23 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     tags = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main")
     names = [f"megatron-lm/{tag}.tar.gz" for tag in tags]
     if inputs:
-        names += ["slime/slime-624b824.tar.gz", "areal/areal-tests-4aef98d.tar.gz"]
+        names += [
+            "slime/slime-624b824.tar.gz",
+            "areal/areal-tests-4aef98d.tar.gz",
+            "roll/ROLL-8eb27cc.tar.gz",
+        ]
     for name in names:
         (shared / name).parent.mkdir(parents=True, exist_ok=True)
         (shared / name).write_bytes(b"")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(
-        '#!/bin/sh\necho "python3 $* SLIME_SOURCE=${SLIME_SOURCE:-} AREAL_TESTS=${AREAL_TESTS:-}"'
-        "\nexit 3\n"
+        '#!/bin/sh\necho "python3 $* SLIME_SOURCE=${SLIME_SOURCE:-} AREAL_TESTS=${AREAL_TESTS:-}'
+        ' ROLL_SOURCE=${ROLL_SOURCE:-}"\nexit 3\n'
     )
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "CI": ci, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS")}
+    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS", "ROLL_SOURCE")}
     return subprocess.run(["bash", str(clone / ".ci" / "run")], env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
@@ -211,7 +215,8 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     naming what is missing; elsewhere the run goes on, saying which tests are left out; with
     the inputs there, it exports them for the tests."""
     missing = ("SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz) "
-               "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)")  # fmt: skip
+               "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz) "
+               "ROLL_SOURCE (../shared/roll/ROLL-8eb27cc.tar.gz)")  # fmt: skip
     run = _ci_run(tmp_path, ci, inputs=False)
     if ci:
         assert run.returncode == 1 and "python3 -m venv" not in run.stdout, run
@@ -223,6 +228,7 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     run = _ci_run(tmp_path / "with", ci, inputs=True)
     assert run.returncode == 3 and "missing" not in run.stderr, run
     assert "SLIME_SOURCE=/" in run.stdout and "slime-624b824.tar.gz AREAL_TESTS=/" in run.stdout
+    assert "areal-tests-4aef98d.tar.gz ROLL_SOURCE=/" in run.stdout and "ROLL-8eb27cc" in run.stdout
 
 
 @pytest.mark.unit

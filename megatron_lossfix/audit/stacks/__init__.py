@@ -49,6 +49,12 @@ def _slime() -> ModuleType:
     return slime
 
 
+def _roll() -> ModuleType:
+    from megatron_lossfix.audit.stacks.roll import stack as roll
+
+    return roll
+
+
 def _skyrl() -> ModuleType:
     from megatron_lossfix.audit.stacks.skyrl import stack as skyrl
 
@@ -58,6 +64,7 @@ def _skyrl() -> ModuleType:
 #: Stack name -> a function returning the module that runs it.
 STACKS: dict[str, Callable[[], ModuleType]] = {
     "areal": _areal,
+    "roll": _roll,
     "skyrl": _skyrl,
     "slime": _slime,
     "verl": _verl,
