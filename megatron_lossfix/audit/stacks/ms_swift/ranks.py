@@ -158,19 +158,29 @@ def swift_layout_grads(
     from megatron_lossfix.audit import tiny_gpt
 
     tiny_gpt.init_layout(layout)
-    chunks, config = tiny_gpt.case_tiny_gpt(layout, case, model_hook=input_tensor_getter)
-    ref_chunks, _ = tiny_gpt.case_tiny_gpt(layout, case, model_hook=input_tensor_getter)
-    tiny_gpt.set_deterministic_params(ref_chunks, case.seed + REF_SEED_OFFSET)
-    for chunk in ref_chunks:
-        chunk.requires_grad_(False)
+    built: dict[bool, tuple] = {}
+
+    def models(per_token: bool) -> tuple:
+        """The policy and reference chunks as ms-swift builds them for ``per_token``
+        (``calculate_per_token_loss``: Megatron DDP scales the gradients by it when built)."""
+        if per_token not in built:
+            hook = dict(model_hook=input_tensor_getter, calculate_per_token_loss=per_token)
+            chunks, config = tiny_gpt.case_tiny_gpt(layout, case, **hook)
+            ref_chunks, _ = tiny_gpt.case_tiny_gpt(layout, case, **hook)
+            tiny_gpt.set_deterministic_params(ref_chunks, case.seed + REF_SEED_OFFSET)
+            for chunk in ref_chunks:
+                chunk.requires_grad_(False)
+            built[per_token] = chunks, config, ref_chunks
+        return built[per_token]
+
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     out = {}
     for name in settings:
         setting = sb.SETTINGS[name]
+        chunks, config, ref_chunks = models(setting.kind == "sft")
         units = sb.step_units(case, config.vocab_size, setting.kind)
         per_rank = len(units) // dp
         args = swift_args(setting, layout, num_microbatches, per_rank)
-        config.calculate_per_token_loss = args.calculate_per_token_loss
         trainer = audit_trainer(setting.kind, args, chunks, config, ref_chunks)
         for row in rows:
             mbs = sb.micro_batches(units, setting.kind, setting.packed, dp_rank, dp,
