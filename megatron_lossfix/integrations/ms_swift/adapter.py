@@ -56,6 +56,7 @@ __all__ = [
 
 #: The unit of ms-swift's preference losses (a DPO pair, a KTO example) as the plugin's mode.
 import os
+
 SWIFT_MODE = os.environ.get("TMP_SWIFT_MODE", "pair_mean")
 #: The environment variable that turns the first-step re-split check on (``1``).
 SELF_CHECK_ENV = "MEGATRON_LOSSFIX_MS_SWIFT_SELF_CHECK"
@@ -176,7 +177,9 @@ def _pair_weights(weights: torch.Tensor, pair_ids: torch.Tensor, cu: Any) -> tor
             per_seq = weights.sum(-1)
         else:
             flat = weights.reshape(-1)
-            per_seq = torch.stack([flat[int(a):int(b)].sum() for a, b in zip(cu[:-1], cu[1:])])
+            per_seq = torch.stack(
+                [flat[int(a) : int(b)].sum() for a, b in zip(cu[:-1], cu[1:], strict=True)]
+            )
         out = torch.zeros(len(pair_ids), dtype=per_seq.dtype, device=per_seq.device)
         return out.index_add(0, pair_ids.to(per_seq.device), per_seq)
     return pair_weights(weights, pair_ids, cu_seqlens=cu)
@@ -213,8 +216,16 @@ def _dpo_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
     return loss, report
 
 
-def _kto_loss(trainer: Any, mb: dict[str, Any], kl_step: torch.Tensor | None,
-              output_tensor: torch.Tensor, *, data: dict, kl_data: dict, label: Any) -> tuple:  # fmt: skip
+def _kto_loss(
+    trainer: Any,
+    mb: dict[str, Any],
+    kl_step: torch.Tensor | None,
+    output_tensor: torch.Tensor,
+    *,
+    data: dict,
+    kl_data: dict,
+    label: Any,
+) -> tuple:
     """ms-swift's KTO loss of one micro-batch as the plugin's weighted sum: each example's loss
     (TRL's ``kto_loss``) times its weight; the KL baseline the step's (``kl_step``) or ms-swift's
     own per micro-batch (``None``)."""
@@ -268,8 +279,14 @@ def _kto_step_kl(trainer: Any, megatron: Callable, items: list[dict], model: Any
         output, swift_loss = trainer.forward_step(data_iterator, model)
         return output, functools.partial(record, **swift_loss.keywords)
 
-    megatron(forward_step_func=forward_step, data_iterator=iter([dict(i) for i in items]), model=model,
-             num_microbatches=num_microbatches, forward_only=True, **kwargs)  # fmt: skip
+    megatron(
+        forward_step_func=forward_step,
+        data_iterator=iter([dict(item) for item in items]),
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=True,
+        **kwargs,
+    )
     if not sums:
         return None
     total = torch.stack(sums).sum(0)
@@ -284,11 +301,19 @@ class _ForwardBackward:
     def __init__(self, schedule: LossFixSchedule, megatron: Callable, kto_kl: str) -> None:
         self.schedule, self._megatron, self.kto_kl = schedule, megatron, kto_kl
 
-    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any,
-                 num_microbatches: int, forward_only: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+    def __call__(
+        self,
+        *,
+        forward_step_func: Callable,
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        forward_only: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         trainer = getattr(forward_step_func, "__self__", None)
         kind = "sft" if trainer is None or forward_only else _kind(trainer)
-        if kind == "sft":  # exact as released: the step's token mean (module docstring)
+        if kind == "sft":  # not a preference step: Megatron's own schedule
             return self._megatron(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                   model=model, num_microbatches=num_microbatches,
                                   forward_only=forward_only, **kwargs)  # fmt: skip
@@ -308,8 +333,8 @@ class _ForwardBackward:
             from megatron.core import parallel_state as mpu
 
             # Whole sequences on every CP rank: count them over data-parallel ranks only.
-            rpo = loss_weights([mb["chosen_mask"] for mb in mbs], "token_mean",
-                               dp_group=mpu.get_data_parallel_group(), rank_local=False)  # fmt: skip
+            chosen = [mb["chosen_mask"] for mb in mbs]
+            rpo = loss_weights(chosen, "token_mean", dp_group=mpu.get_data_parallel_group())
             for mb, w in zip(mbs, rpo, strict=True):
                 mb[RPO_WEIGHTS] = w
 
@@ -345,6 +370,8 @@ def enable(*, kto_kl: str = "step") -> Callable[[], None]:
 
     @functools.wraps(released)
     def train_step(self: Any, train_data_iterator: Any) -> Any:
+        if _kind(self) == "sft":  # before anything runs: other trainers are refused here
+            return released(self, train_data_iterator)
         lookup = base.get_forward_backward_func
         base.get_forward_backward_func = lambda *a, **k: _ForwardBackward(
             schedule, lookup(*a, **k), kto_kl

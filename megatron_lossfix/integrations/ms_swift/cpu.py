@@ -3,10 +3,11 @@
 ms-swift's Megatron trainers (``swift/megatron/trainers/``) import ``mcore_bridge``, whose
 package imports Transformer Engine unguarded: ``mcore_bridge/patcher.py`` (run by its
 ``__init__``) and its LoRA and model modules, which only use it when a model is built from a
-Hugging Face checkpoint or LoRA is added to a Transformer Engine layer. :func:`provide_transformer_engine`
-lets those modules import against stand-ins of Transformer Engine whose classes refuse to be
-built, in ``sys.modules`` only while a ``mcore_bridge`` module's body runs (after
-megatron-core's own probes have answered "not installed"): nothing else sees them.
+Hugging Face checkpoint or LoRA is added to a Transformer Engine layer.
+:func:`provide_transformer_engine` lets those modules import against stand-ins of Transformer
+Engine whose classes refuse to be built, in ``sys.modules`` only while a ``mcore_bridge``
+module's body runs (after megatron-core's, peft's and Megatron's layer specs' own probes have
+answered "not installed"): nothing else sees them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class _StandInLoader:
 
 
 class _McoreBridgeFinder:
-    """Finds ``mcore_bridge`` and its modules as usual, loading them with :class:`_StandInLoader`."""
+    """Finds ``mcore_bridge`` and its modules as usual, to load with :class:`_StandInLoader`."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != PACKAGE and not fullname.startswith(PACKAGE + "."):

@@ -111,7 +111,10 @@ def run_stack(
     settings = tuple(settings) if settings is not None else settings_of(opts.modes)
     per_run = [row_name(row, _mode(s), s) for s in settings for row in ROWS]
     own = [row_name(SELF_ROW, _mode(s), s) for s in settings]
-    options = {**options, "settings": {name: dataclasses.asdict(SETTINGS[name]) for name in settings}}
+    options = {
+        **options,
+        "settings": {name: dataclasses.asdict(SETTINGS[name]) for name in settings},
+    }
     report = AuditReport(
         options=options,
         modes=[*ROWS, *per_run, *own],
