@@ -15,7 +15,7 @@ after the printed unit tier).
   needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
-  SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
+  SkyRL, slime, AReaL, ms-swift: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
   (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
   page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
   which ``.ci/run`` sets: slime is not on the package index; without it its tests skip, and
@@ -130,7 +130,13 @@ BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 #: runs ``tests/test_<stack>_stack.py`` and the pages' stack commands with that virtualenv's
 #: Python. A page whose line names a variable that is not set (slime's ``SLIME_SOURCE``) is
 #: left out, saying so. A new stack is one more page here.
-STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md", "docs/areal.md")
+STACK_PAGES = (
+    "docs/verl.md",
+    "docs/skyrl.md",
+    "docs/slime.md",
+    "docs/areal.md",
+    "docs/ms_swift.md",
+)
 #: Pages besides the stacks' whose commands need an environment of their own: each has one
 #: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack
 #: page's, and there runs these tests with that virtualenv's Python (the suite leaves them out).
