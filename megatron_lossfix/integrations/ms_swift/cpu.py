@@ -18,9 +18,9 @@ import importlib.util
 import sys
 from typing import Any
 
-from megatron_lossfix.integrations.bridge.cpu import _te_stub, _Unavailable
+from megatron_lossfix.integrations.bridge.cpu import TEUnavailable, te_stand_in
 
-__all__ = ["provide_transformer_engine"]
+__all__ = ["gather_scalars_on_gloo", "provide_transformer_engine"]
 
 #: The package whose modules import Transformer Engine at their top.
 PACKAGE = "mcore_bridge"
@@ -50,7 +50,7 @@ class _StandInLoader:
         saved = {name: sys.modules.get(name) for name in _TE_NAMES}
         fresh = saved["transformer_engine"] is None
         if fresh:
-            stub = _te_stub()
+            stub = te_stand_in()
             sys.modules["transformer_engine"] = stub
             sys.modules["transformer_engine.pytorch"] = stub.pytorch
         try:
@@ -68,7 +68,7 @@ class _StandInLoader:
             # those names are stand-ins that refuse to be built (megatron-core's stay None).
             for name, value in list(vars(module).items()):
                 if name.startswith("TE") and value is None:
-                    setattr(module, name, type(name, (_Unavailable,), {}))
+                    setattr(module, name, type(name, (TEUnavailable,), {}))
 
 
 class _McoreBridgeFinder:
