@@ -227,6 +227,7 @@ def _microbatches(batch: dict, dp_rank: int, per_rank: int) -> list[dict]:
     return [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
         | id_ranges(CASE)
+        | {"pair_ids": torch.arange(size)}  # pair_mean: each row a pair of its own
         for k in range(NUM_MICROBATCHES)
     ]
 

@@ -47,7 +47,8 @@ def test_loss_weights_signature_is_the_contract():
     # Beyond the contract: rank-local weights on several ranks only when asked for.
     # Keyword-only additions (the group modes' ids; rank-local weights on several ranks only when
     # asked for) keep every contract call working.
-    extra = ["group_ids", "num_groups", "trajectory_ids", "num_trajectories", "rank_local"]
+    extra = ["group_ids", "num_groups", "trajectory_ids", "num_trajectories", "pair_ids"]
+    extra.append("rank_local")
     assert list(params)[5:] == extra and params["rank_local"].default is False
 
 
