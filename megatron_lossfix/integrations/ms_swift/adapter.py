@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.losses import loss_weights
+from megatron_lossfix.runtime.pairs import pair_weights
 from megatron_lossfix.step.schedule import LossFixSchedule
 from megatron_lossfix.step.selfcheck import switched_on
 
@@ -55,9 +56,7 @@ __all__ = [
 ]
 
 #: The unit of ms-swift's preference losses (a DPO pair, a KTO example) as the plugin's mode.
-import os
-
-SWIFT_MODE = os.environ.get("TMP_SWIFT_MODE", "pair_mean")
+SWIFT_MODE = "pair_mean"
 #: The environment variable that turns the first-step re-split check on (``1``).
 SELF_CHECK_ENV = "MEGATRON_LOSSFIX_MS_SWIFT_SELF_CHECK"
 #: DPO loss types whose loss is one pair's alone (Swift's ``dpo_loss``): each can be weighted.
@@ -170,18 +169,6 @@ def _one_loss_type(loss_type: Any, allowed: tuple[str, ...], what: str) -> str:
 
 
 def _pair_weights(weights: torch.Tensor, pair_ids: torch.Tensor, cu: Any) -> torch.Tensor:
-    try:
-        from megatron_lossfix.runtime.pairs import pair_weights
-    except ImportError:  # TEMPORARY until pair_mean lands
-        if cu is None:
-            per_seq = weights.sum(-1)
-        else:
-            flat = weights.reshape(-1)
-            per_seq = torch.stack(
-                [flat[int(a) : int(b)].sum() for a, b in zip(cu[:-1], cu[1:], strict=True)]
-            )
-        out = torch.zeros(len(pair_ids), dtype=per_seq.dtype, device=per_seq.device)
-        return out.index_add(0, pair_ids.to(per_seq.device), per_seq)
     return pair_weights(weights, pair_ids, cu_seqlens=cu)
 
 
