@@ -51,13 +51,18 @@ def test_the_plugin_reads_one_pair_id_per_sequence(packed):
     case = batch.stack_case(AuditOptions(), parse_layout("dp1-m1"))
     dpo = batch.micro_batches(batch.step_units(case, 264, "dpo"), "dpo", packed, 0, 1, 2)[1]
     mb = adapter.plugin_micro_batch(dpo, "dpo", packed)
-    k = len(mb["pair_ids"]) // 2
+    k = mb["num_pairs"]
     assert mb["pair_ids"].tolist() == list(range(k)) * 2
     # Chosen rows first: the chosen mask holds the first half's loss tokens only.
     assert 0 < mb["chosen_mask"].sum() < mb["loss_mask"].sum()
     if packed:
         assert mb["cu_seqlens"].tolist()[-1] == dpo["input_ids"].shape[1]
         assert len(mb["cu_seqlens"]) == 2 * k + 1
+    if packed:  # a packed row's trailing padding: a segment of its own, with no loss token
+        padded = {**dpo, "position_ids": torch.cat([dpo["position_ids"], torch.arange(4)[None]], 1),
+                  "labels": torch.cat([dpo["labels"], torch.full((1, 4), -100)], 1)}  # fmt: skip
+        mb = adapter.plugin_micro_batch(padded, "dpo", packed)
+        assert mb["pair_ids"].tolist() == [*range(k), *range(k), 2 * k]
     kto = batch.micro_batches(batch.step_units(case, 264, "kto"), "kto", packed, 0, 1, 2)[0]
     assert adapter.plugin_micro_batch(kto, "kto", packed)["pair_ids"].tolist() == list(
         range(len(kto["label"]))

@@ -123,20 +123,25 @@ def plugin_micro_batch(item: dict[str, Any], kind: str, packed: bool) -> dict[st
     out: dict[str, Any] = {"loss_mask": mask, ITEM: item}
     if packed:
         out["cu_seqlens"] = _cu_seqlens(item[prefix + "position_ids"])
-        n = len(out["cu_seqlens"]) - 1
+        segments = len(out["cu_seqlens"]) - 1
+        # The collator's sequences; a packed row's trailing padding is one more segment.
+        n = len(item.get(prefix + "seq_lens", range(segments)))
     else:
-        n = mask.shape[0]
+        n = segments = mask.shape[0]
+    # Every segment its own id; a DPO pair's chosen and rejected rows share theirs.
+    ids = torch.arange(segments, device=mask.device)
     if kind == "dpo":
-        out["pair_ids"] = torch.arange(n // 2, device=mask.device).repeat(2)
+        k = n // 2
+        ids[k:n] = torch.arange(k, device=mask.device)
+        out["num_pairs"] = k
         # The chosen responses' tokens (rpo_alpha's NLL term).
         chosen = mask.clone()
         if packed:
-            chosen[:, int(out["cu_seqlens"][n // 2]) :] = 0
+            chosen[:, int(out["cu_seqlens"][k]) :] = 0
         else:
-            chosen[n // 2 :] = 0
+            chosen[k:] = 0
         out["chosen_mask"] = chosen
-    else:
-        out["pair_ids"] = torch.arange(n, device=mask.device)
+    out["pair_ids"] = ids
     return out
 
 
@@ -178,7 +183,7 @@ def _dpo_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
     args = trainer.args
     half = output_tensor.shape[0] // 2
     ref_output, output = output_tensor[:half].detach(), output_tensor[half:]
-    k = len(mb["pair_ids"]) // 2
+    k = mb["num_pairs"]
     logps = trainer.get_logps(output, labels, packed_seq_params)
     ref_logps = trainer.get_logps(ref_output, labels, packed_seq_params)
     loss_type = _one_loss_type(args.loss_type, DPO_LOSS_TYPES, "DPO pair")
