@@ -34,14 +34,14 @@ def micro_batch_mean_grads(layout: Any, case: Any, num_microbatches: int, rows: 
     from megatron_lossfix.integrations.ms_swift import adapter
 
     own = adapter._pair_weights
-    dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
     def mean_of_the_micro_batch(weights: Any, pair_ids: Any, cu: Any) -> Any:
         import torch
 
-        units = int(pair_ids.max()) + 1
+        units = int(pair_ids.max()) + 1  # the layout is set up by now
+        dp = ps.get_data_parallel_world_size()
         w = torch.zeros(len(pair_ids), dtype=torch.float32, device=weights.device)
-        w[:units] = 1.0 / (units * num_microbatches * max(dp, 1))
+        w[:units] = 1.0 / (units * num_microbatches * dp)
         return w
 
     adapter._pair_weights = mean_of_the_micro_batch
