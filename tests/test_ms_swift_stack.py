@@ -90,6 +90,20 @@ def test_ci_runs_the_pages_install_line():
     assert f'"ms-swift=={stack.MIN_VERSION}"' in ROOT.joinpath("setup.py").read_text()
 
 
+@pytest.mark.unit
+def test_ci_finds_this_file_from_the_stacks_name():
+    """CI runs ``tests/test_<stack>_stack.py`` in the page's virtualenv (and leaves it out of the
+    suite's): for ``ms-swift`` that is this file, the hyphen an underscore."""
+    import ast
+
+    tree = ast.parse(ROOT.joinpath("noxfile.py").read_text())
+    (func,) = [n for n in tree.body if getattr(n, "name", "") == "_stack_test_file"]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=[func], type_ignores=[]), "noxfile.py", "exec"), namespace)
+    path = namespace["_stack_test_file"]("ms-swift")
+    assert ROOT.joinpath(path) == Path(__file__).resolve()
+
+
 # ------------------------------------------------------------------------------ e2e
 
 
