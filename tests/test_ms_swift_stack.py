@@ -63,6 +63,14 @@ def test_the_plugin_reads_one_pair_id_per_sequence(packed):
                   "labels": torch.cat([dpo["labels"], torch.full((1, 4), -100)], 1)}  # fmt: skip
         mb = adapter.plugin_micro_batch(padded, "dpo", packed)
         assert mb["pair_ids"].tolist() == [*range(k), *range(k), 2 * k]
+    rm = batch.micro_batches(batch.step_units(case, 264, "rm"), "rm", packed, 0, 1, 2)[1]
+    mb = adapter.plugin_micro_batch(rm, "rm", packed)
+    assert mb["pair_ids"].tolist() == list(range(mb["num_pairs"])) * 2
+    # No labels: every token of the reward model's sequences stands in the loss mask.
+    if packed:
+        assert len(mb["cu_seqlens"]) == 2 * mb["num_pairs"] + 1 and bool(mb["loss_mask"].all())
+    else:
+        assert torch.equal(mb["loss_mask"], rm["attention_mask"].float())
     kto = batch.micro_batches(batch.step_units(case, 264, "kto"), "kto", packed, 0, 1, 2)[0]
     assert adapter.plugin_micro_batch(kto, "kto", packed)["pair_ids"].tolist() == list(
         range(len(kto["label"]))
@@ -129,13 +137,14 @@ def _errors(pool, worker, layout: str, settings, rows=ranks.ROWS) -> dict:
 @needs_swift
 @pytest.mark.e2e
 def test_adapter_is_exact_where_ms_swift_is_not(swift_pool):
-    settings = ("sft-packed", "dpo-packed", "dpo-rpo", "dpo-hinge", "kto-kl")
+    settings = ("sft-packed", "dpo-packed", "dpo-rpo", "dpo-hinge", "kto-kl", "rm-packed")
     err = _errors(swift_pool, ranks.swift_layout_grads, "dp2-m3", settings)
     assert err[(ranks.SWIFT_ROW, "sft-packed")] < TOL  # its token mean is exact as released
     assert err[(ranks.SWIFT_ROW, "dpo-packed")] > 0.1  # 1 pair against 5: loss.mean() each
     assert err[(ranks.SWIFT_ROW, "dpo-rpo")] > 1e-2  # the NLL term's per-micro-batch mean
     assert err[(ranks.SWIFT_ROW, "dpo-hinge")] > 0.1  # loss_type not passed: trains sigmoid
     assert err[(ranks.SWIFT_ROW, "kto-kl")] > TOL  # the KL baseline of the micro-batch
+    assert err[(ranks.SWIFT_ROW, "rm-packed")] > 0.1  # the reward pairs' mean per micro-batch
     for setting in settings:
         assert err[(ranks.ADAPTED_ROW, setting)] < TOL, (setting, err)
 
@@ -144,7 +153,7 @@ def test_adapter_is_exact_where_ms_swift_is_not(swift_pool):
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["cp2-m3", "pp2-m4"])
 def test_adapter_is_exact_under_context_and_pipeline_parallelism(swift_pool, layout):
-    settings = ("dpo-rpo-packed", "dpo-ipo", "kto-kl-packed")
+    settings = ("dpo-rpo-packed", "dpo-ipo", "kto-kl-packed", "rm")
     err = _errors(swift_pool, ranks.swift_layout_grads, layout, settings, (ranks.ADAPTED_ROW,))
     for setting in settings:
         assert err[(ranks.ADAPTED_ROW, setting)] < TOL, (setting, err)
@@ -158,6 +167,7 @@ def test_adapter_is_exact_under_context_and_pipeline_parallelism(swift_pool, lay
         ("bypassed_layout_grads", "dpo-packed"),
         ("micro_batch_mean_grads", "dpo-packed"),
         ("micro_batch_mean_grads", "kto-packed"),
+        ("micro_batch_mean_grads", "rm-packed"),
         ("micro_batch_kl_grads", "kto-kl"),
     ],
 )

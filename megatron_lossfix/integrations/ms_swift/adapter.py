@@ -1,15 +1,17 @@
 """ms-swift's Megatron trainers through the plugin (``megatron_lossfix.integrations.ms_swift``).
 
 The switch :func:`enable` wraps ``BaseMegatronTrainer.train_step`` (ms-swift 4.6.0,
-``swift/megatron/trainers/base.py``) in this process: while a DPO or KTO trainer's step runs,
-the ``get_forward_backward_func`` it looks up answers with the plugin's schedule
-(:class:`~megatron_lossfix.step.schedule.LossFixSchedule`) in ``pair_mean``: every DPO pair and
-every KTO example counts the same, whatever micro-batch holds it and however many that
-micro-batch holds. ms-swift's own ``forward_step`` runs (its ``get_batch``, the policy and
-reference forwards); its loss is built from ms-swift's own pieces (``get_logps``, Swift's
-``dpo_loss``, TRL's ``kto_loss`` through its ``DummyKTOTrainer``), each unit's loss weighted by the
-plugin's pair weight (``runtime.pairs.pair_weights``) instead of ``loss.mean()`` over the
-micro-batch. What changes, besides:
+``swift/megatron/trainers/base.py``) in this process: while a DPO, KTO or reward-model
+trainer's step runs, the ``get_forward_backward_func`` it looks up answers with the plugin's
+schedule (:class:`~megatron_lossfix.step.schedule.LossFixSchedule`) in ``pair_mean``: every DPO
+pair, every KTO example and every reward pair counts the same, whatever micro-batch holds it
+and however many that micro-batch holds. ms-swift's own ``forward_step`` runs (its
+``get_batch``, the policy and reference forwards); its loss is built from ms-swift's own
+pieces (``get_logps``, Swift's ``dpo_loss``, TRL's ``kto_loss`` through its
+``DummyKTOTrainer``, the reward model's ``get_last_tokens`` and its
+``-log sigmoid(r_c - r_r [- margin])``), each unit's loss weighted by the plugin's pair weight
+(``runtime.pairs.pair_weights``) instead of ``loss.mean()`` over the micro-batch.
+What changes, besides:
 
 * DPO's ``loss_type`` is passed to ``dpo_loss`` (ms-swift 4.6.0 leaves it out, so that hinge and
   IPO train as sigmoid); IPO takes per-token mean log-probs, as Swift's own ``DPOTrainer`` does.
@@ -24,8 +26,9 @@ micro-batch. What changes, besides:
   ms-swift's own (the micro-batch's mean, averaged over data-parallel ranks).
 
 SFT (``MegatronTrainer``: ``(sum(loss x mask), tokens)`` with ``calculate_per_token_loss``) is
-already the step's token mean under every layout: its step runs as released. Other trainers
-(GRPO, GKD, the reward model, embedding, reranker) are refused in one line. The first-step
+already the step's token mean under every layout: its step runs as released. The reward
+model's ``center_rewards_coefficient`` (a mean of squared rewards per micro-batch) is refused in
+one line. Other trainers (GRPO, GKD, embedding, reranker) are refused in one line. The first-step
 re-split check is off unless ``MEGATRON_LOSSFIX_MS_SWIFT_SELF_CHECK=1``.
 """
 
@@ -87,19 +90,24 @@ def lossfix_config() -> LossFixConfig:
 
 
 def _kind(trainer: Any) -> str:
-    """``dpo``, ``kto`` or ``sft`` (the trainer classes the adapter knows); else a refusal."""
+    """``dpo``, ``kto``, ``rm`` or ``sft`` (the trainer classes the adapter knows); else a
+    refusal."""
     from swift.megatron.trainers.dpo_trainer import MegatronDPOTrainer
     from swift.megatron.trainers.kto_trainer import MegatronKTOTrainer
+    from swift.megatron.trainers.reward_trainer import MegatronRewardTrainer
     from swift.megatron.trainers.trainer import MegatronTrainer
 
     if isinstance(trainer, MegatronDPOTrainer):
         return "dpo"
     if isinstance(trainer, MegatronKTOTrainer):
         return "kto"
+    if isinstance(trainer, MegatronRewardTrainer):
+        return "rm"
     if type(trainer) is MegatronTrainer and trainer.args.task_type == "causal_lm":
         return "sft"
     raise ValueError(
-        f"the ms-swift adapter covers SFT, DPO and KTO, not {type(trainer).__name__}: call "
+        "the ms-swift adapter covers SFT, DPO, KTO and the reward model, not "
+        f"{type(trainer).__name__}: call "
         "megatron_lossfix.integrations.ms_swift.disable() before training it"
     )
 
@@ -116,10 +124,16 @@ def _cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
 def plugin_micro_batch(item: dict[str, Any], kind: str, packed: bool) -> dict[str, Any]:
     """ms-swift's collated micro-batch ``item`` as the plugin reads it: the loss mask of its
     shifted labels, one pair id per sequence (a DPO micro-batch's chosen rows, then its rejected
-    rows, in pair order; a KTO example alone), the packed boundaries, and the item itself."""
+    rows, in pair order; a KTO example alone), the packed boundaries, and the item itself. A
+    reward model's sequences have no labels: their tokens (its attention mask) stand for them."""
     prefix = "completion_" if kind == "kto" else ""
-    labels = torch.roll(item[prefix + "labels"], -1, dims=-1)  # ms-swift's shift
-    mask = (labels != -100).float()
+    if kind == "rm":
+        ids = item["input_ids"]
+        real = item.get("attention_mask")
+        mask = torch.ones_like(ids, dtype=torch.float32) if real is None else real.float()
+    else:
+        labels = torch.roll(item[prefix + "labels"], -1, dims=-1)  # ms-swift's shift
+        mask = (labels != -100).float()
     out: dict[str, Any] = {"loss_mask": mask, ITEM: item}
     if packed:
         out["cu_seqlens"] = _cu_seqlens(item[prefix + "position_ids"])
@@ -130,10 +144,11 @@ def plugin_micro_batch(item: dict[str, Any], kind: str, packed: bool) -> dict[st
         n = segments = mask.shape[0]
     # Every segment its own id; a DPO pair's chosen and rejected rows share theirs.
     ids = torch.arange(segments, device=mask.device)
-    if kind == "dpo":
+    if kind in ("dpo", "rm"):
         k = n // 2
         ids[k:n] = torch.arange(k, device=mask.device)
         out["num_pairs"] = k
+    if kind == "dpo":
         # The chosen responses' tokens (rpo_alpha's NLL term).
         chosen = mask.clone()
         if packed:
@@ -204,6 +219,36 @@ def _dpo_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
     report = {
         "loss": loss.detach().clone(),
         "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+    }
+    return loss, report
+
+
+def _rm_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
+             data: dict) -> tuple:  # fmt: skip
+    """ms-swift's reward-model loss of one micro-batch as the plugin's weighted sum: each pair's
+    ``-log sigmoid(r_c - r_r [- margin])`` (its ``loss_func``'s terms) times the pair's weight.
+    The rewards are read at the last tokens of whole sequences (ms-swift's ``get_last_tokens``,
+    which gathers the context-parallel shards with the gradient to this rank's own): each
+    context-parallel rank weighs the whole loss with the whole pair weight."""
+    if trainer.args.center_rewards_coefficient is not None:
+        raise ValueError(
+            "the ms-swift adapter weighs each reward pair alone: unset "
+            "center_rewards_coefficient, or disable the adapter"
+        )
+    packed = data.get("packed_seq_params")
+    rewards = trainer.get_last_tokens(output_tensor, packed, data.get("attention_mask"))
+    rewards = rewards.reshape(-1)
+    k = mb["num_pairs"]
+    chosen, rejected = rewards[:k], rewards[k : 2 * k]
+    margin = data.pop("margin", None)
+    if margin is not None:
+        chosen = chosen - margin.to(device=chosen.device, dtype=chosen.dtype).reshape_as(chosen)
+    losses = -torch.nn.functional.logsigmoid(chosen - rejected)
+    w = _pair_weights(mb["loss_weights"], mb["pair_ids"], mb.get("cu_seqlens"))[:k]
+    loss = (w.to(losses.dtype) * losses).sum()
+    report = {
+        "loss": loss.detach().clone(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
     }
     return loss, report
 
@@ -336,6 +381,8 @@ class _ForwardBackward:
             output, swift_loss = trainer.forward_step(iter([dict(mb[ITEM])]), model)
             if kind == "dpo":
                 return output, functools.partial(_dpo_loss, trainer, mb, **swift_loss.keywords)
+            if kind == "rm":
+                return output, functools.partial(_rm_loss, trainer, mb, **swift_loss.keywords)
             return output, functools.partial(_kto_loss, trainer, mb, kl_step,
                                              **swift_loss.keywords)  # fmt: skip
 
@@ -348,8 +395,8 @@ class _ForwardBackward:
 
 
 def enable(*, kto_kl: str = "step") -> Callable[[], None]:
-    """The switch: from now on, in this process, ms-swift's DPO and KTO trainers' ``train_step``
-    runs under the plugin (module docstring; call it before the first training step).
+    """The switch: from now on, in this process, ms-swift's DPO, KTO and reward-model trainers'
+    ``train_step`` runs under the plugin (module docstring; call it before the first training step).
     ``kto_kl``: KTO's KL baseline over the ``step`` (default) or per ``micro_batch`` (ms-swift's
     own). Returns :func:`disable`."""
     from swift.megatron.trainers import base

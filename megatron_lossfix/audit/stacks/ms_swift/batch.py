@@ -47,8 +47,8 @@ class Setting:
     """One trainer setting the stack runs."""
 
     kind: str
-    """``sft``, ``dpo`` or ``kto``: the trainer (``MegatronTrainer``, ``MegatronDPOTrainer``,
-    ``MegatronKTOTrainer``)."""
+    """``sft``, ``dpo``, ``kto`` or ``rm``: the trainer (``MegatronTrainer``,
+    ``MegatronDPOTrainer``, ``MegatronKTOTrainer``, ``MegatronRewardTrainer``)."""
     packed: bool = False
     """ms-swift's ``--packing`` (``padding_free``): uneven micro-batches of whole sequences."""
     args: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -71,8 +71,9 @@ SETTINGS: dict[str, Setting] = {
     **_both("dpo-rpo", "dpo", loss_type="sigmoid", rpo_alpha=1.0),
     **_both("kto", "kto", calculate_KL=False),
     **_both("kto-kl", "kto", calculate_KL=True),
+    **_both("rm", "rm"),
 }
-KINDS: tuple[str, ...] = ("sft", "dpo", "kto")
+KINDS: tuple[str, ...] = ("sft", "dpo", "kto", "rm")
 #: ms-swift's normalizations and the plugin's modes: a token mean (SFT) and a unit mean (a DPO
 #: pair, a KTO example).
 MODES: dict[str, StackMode] = {
@@ -96,7 +97,7 @@ def stack_case(opts: Any, layout: MatrixLayout) -> OracleCase:
 def step_units(case: OracleCase, vocab_size: int, kind: str) -> list[dict[str, Any]]:
     """The step's units in order: ``{"seqs": [(ids, labels), ...], ...}`` (one sequence for SFT,
     chosen and rejected for DPO, the completion and its KL completion and ``label`` for KTO)."""
-    gen = torch.Generator().manual_seed(case.seed + {"sft": 0, "dpo": 1, "kto": 2}[kind])
+    gen = torch.Generator().manual_seed(case.seed + {"sft": 0, "dpo": 1, "kto": 2, "rm": 3}[kind])
     n = case.global_batch_size
 
     def sequence(prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +108,9 @@ def step_units(case: OracleCase, vocab_size: int, kind: str) -> list[dict[str, A
         labels = torch.cat([torch.full_like(prompt, -100), response])
         return ids, labels
 
+    if kind == "rm":  # whole multiples of the packing's padding: the last token is a real one
+        return [{"seqs": [_rm_sequence(gen, vocab_size), _rm_sequence(gen, vocab_size)]}
+                for _ in range(n)]  # fmt: skip
     units = []
     for _ in range(n):
         p = int(torch.randint(2, 6, (1,), generator=gen))
@@ -128,6 +132,14 @@ def step_units(case: OracleCase, vocab_size: int, kind: str) -> list[dict[str, A
             kl_labels = torch.cat([torch.full((p,), -100), other_labels[o:]])[:SEQ_LEN]
             unit["kl"] = (kl_ids, kl_labels)
     return units
+
+
+def _rm_sequence(gen: torch.Generator, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward model's sequence (no labels: the reward is read at its last token), of
+    :data:`PACK_MULTIPLE` to :data:`SEQ_LEN` tokens in whole multiples of the packing's padding."""
+    n = PACK_MULTIPLE * int(torch.randint(1, SEQ_LEN // PACK_MULTIPLE + 1, (1,), generator=gen))
+    ids = torch.randint(0, vocab_size, (n,), generator=gen)
+    return ids, torch.full_like(ids, -100)
 
 
 def uneven_sizes(n: int, m: int) -> list[int]:
@@ -169,8 +181,14 @@ def _micro_batch(units: list[dict[str, Any]], kind: str, packed: bool) -> dict[s
     lay = _packed if packed else _rows
     if kind == "sft":
         return lay([u["seqs"][0] for u in units])
-    if kind == "dpo":
-        return lay([u["seqs"][0] for u in units] + [u["seqs"][1] for u in units])
+    if kind in ("dpo", "rm"):
+        out = lay([u["seqs"][0] for u in units] + [u["seqs"][1] for u in units])
+        if kind == "rm":  # a reward model's collator: no labels; rows carry their attention mask
+            lengths = [len(u["seqs"][0][0]) for u in units] + [len(u["seqs"][1][0]) for u in units]
+            del out["labels"]
+            if not packed:
+                out["attention_mask"] = torch.arange(SEQ_LEN)[None] < torch.tensor(lengths)[:, None]
+        return out
     out: dict[str, Any] = {}
     for prefix, seqs in (("completion_", [u["seqs"][0] for u in units]),
                          ("KL_completion_", [u["kl"] for u in units])):  # fmt: skip

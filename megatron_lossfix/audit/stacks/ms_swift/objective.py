@@ -12,6 +12,8 @@ Per sequence ``s``: ``logp_s`` = the sum of its response tokens' log-probs under
   mean log-probs, as Swift's own ``DPOTrainer`` computes it); the loss is the mean of ``l_p``
   over the step's pairs, plus ``rpo_alpha`` times the chosen responses' token mean of the cross
   entropy over the step (what ms-swift computes on one rank with one micro-batch).
+* ``rm`` (a value head in place of the output layer): per pair, ``-log sigmoid(r_c - r_r)``
+  with ``r`` the head's output at the sequence's last token; the mean over the step's pairs.
 * ``kto``: TRL's KTO loss per example, the mean over the step's examples; with the KL baseline,
   ``kl = max(0, mean over the step's KL completions of (logp - ref))``, no gradient.
 """
@@ -63,6 +65,20 @@ def swift_reference(case: OracleCase, name: str) -> dict[str, torch.Tensor]:
     )
 
     setting = sb.SETTINGS[name]
+    if setting.kind == "rm":
+        from megatron_lossfix.audit.stacks.ms_swift.ranks import reward_model_hook
+
+        model, config = one_rank_tiny_gpt(case, model_hook=reward_model_hook)
+        units = sb.step_units(case, config.vocab_size, "rm")
+        seqs = [u["seqs"][0] for u in units] + [u["seqs"][1] for u in units]
+        rows = sb.micro_batches([{"seqs": [s]} for s in seqs], "sft", False, 0, 1, 1)[0]
+        values = model(rows["input_ids"], None, None).float()[..., 0]  # [sequences, positions]
+        last = torch.tensor([len(ids) - 1 for ids, _ in seqs])
+        rewards = values[torch.arange(len(seqs)), last]
+        k = len(units)
+        (-F.logsigmoid(rewards[:k] - rewards[k:])).mean().backward()
+        model.finish_grad_sync()
+        return gather_full_grads([model])
     model, config = one_rank_tiny_gpt(case)
     ref, _ = one_rank_tiny_gpt(case)
     set_deterministic_params([ref], case.seed + REF_SEED_OFFSET)

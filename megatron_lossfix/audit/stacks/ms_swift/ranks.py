@@ -33,6 +33,7 @@ _TRAINERS = {
     "sft": ("swift.megatron.trainers.trainer", "MegatronTrainer"),
     "dpo": ("swift.megatron.trainers.dpo_trainer", "MegatronDPOTrainer"),
     "kto": ("swift.megatron.trainers.kto_trainer", "MegatronKTOTrainer"),
+    "rm": ("swift.megatron.trainers.reward_trainer", "MegatronRewardTrainer"),
 }
 
 
@@ -56,7 +57,8 @@ def swift_args(setting: sb.Setting, layout: Any, num_microbatches: int, per_rank
     ``calculate_per_token_loss`` as ms-swift sets it: on for SFT, off for RLHF)."""
     rlhf = setting.kind != "sft"
     args = dict(
-        task_type="causal_lm",
+        # A reward model is a sequence classifier with one label (ms-swift's ``seq_cls``).
+        task_type="seq_cls" if setting.kind == "rm" else "causal_lm",
         rlhf_type=None if not rlhf else setting.kind,
         padding_free=setting.packed,
         context_parallel_size=layout.cp,
@@ -84,6 +86,9 @@ def swift_args(setting: sb.Setting, layout: Any, num_microbatches: int, per_rank
         calculate_KL=True,
         desirable_weight=1.0,
         undesirable_weight=1.0,
+        # Reward model
+        center_rewards_coefficient=None,
+        cp_partition_mode="zigzag",
     )
     if setting.kind == "kto":
         args["loss_type"] = "kto"
@@ -136,6 +141,28 @@ def input_tensor_getter(chunk: torch.nn.Module) -> None:
     chunk.get_input_tensor = functools.partial(GPTModel.get_input_tensor, chunk)
 
 
+class ValueHead(torch.nn.Module):
+    """A reward model's head as mcore-bridge builds it for ``seq_cls`` with one label
+    (``OutputLayerLinear``, ``parallel_mode='duplicated'``): ``hidden -> 1`` without bias, the
+    whole weight on every tensor-parallel rank; called as Megatron calls its output layer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden))
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, **kwargs: Any) -> tuple:
+        return hidden_states @ self.weight.t(), None
+
+
+def reward_model_hook(chunk: torch.nn.Module) -> None:
+    """:func:`input_tensor_getter`, and on the last pipeline stage the value head in place of the
+    vocabulary's output layer (a reward model)."""
+    input_tensor_getter(chunk)
+    if getattr(chunk, "post_process", False):
+        chunk.output_layer = ValueHead(chunk.config.hidden_size)
+
+
 def _switch(row: str, trainer: Any) -> Any:
     """The documented switch of ``row`` (none for ms-swift as released); returns its undo."""
     if row != ADAPTED_ROW:
@@ -143,6 +170,14 @@ def _switch(row: str, trainer: Any) -> Any:
     from megatron_lossfix.integrations import ms_swift as adapter
 
     return adapter.enable()
+
+
+def runs_on(setting: sb.Setting, layout: Any) -> bool:
+    """Whether ms-swift 4.6.0 runs ``setting`` under ``layout`` without Transformer Engine: its
+    reward model gathers packed context-parallel shards with Megatron's
+    ``_undo_attention_load_balancing``, which needs Transformer Engine >= 1.10 for packed
+    sequences (as released and through the adapter alike)."""
+    return not (setting.kind == "rm" and setting.packed and layout.cp > 1)
 
 
 def swift_layout_grads(
@@ -158,26 +193,31 @@ def swift_layout_grads(
     from megatron_lossfix.audit import tiny_gpt
 
     tiny_gpt.init_layout(layout)
-    built: dict[bool, tuple] = {}
+    built: dict[tuple, tuple] = {}
 
-    def models(per_token: bool) -> tuple:
+    def models(per_token: bool, reward: bool = False) -> tuple:
         """The policy and reference chunks as ms-swift builds them for ``per_token``
-        (``calculate_per_token_loss``: Megatron DDP scales the gradients by it when built)."""
-        if per_token not in built:
-            hook = dict(model_hook=input_tensor_getter, calculate_per_token_loss=per_token)
+        (``calculate_per_token_loss``: Megatron DDP scales the gradients by it when built),
+        with a value head for a ``reward`` model."""
+        key = (per_token, reward)
+        if key not in built:
+            getter = reward_model_hook if reward else input_tensor_getter
+            hook = dict(model_hook=getter, calculate_per_token_loss=per_token)
             chunks, config = tiny_gpt.case_tiny_gpt(layout, case, **hook)
             ref_chunks, _ = tiny_gpt.case_tiny_gpt(layout, case, **hook)
             tiny_gpt.set_deterministic_params(ref_chunks, case.seed + REF_SEED_OFFSET)
             for chunk in ref_chunks:
                 chunk.requires_grad_(False)
-            built[per_token] = chunks, config, ref_chunks
-        return built[per_token]
+            built[key] = chunks, config, ref_chunks
+        return built[key]
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     out = {}
     for name in settings:
         setting = sb.SETTINGS[name]
-        chunks, config, ref_chunks = models(setting.kind == "sft")
+        if not runs_on(setting, layout):
+            continue
+        chunks, config, ref_chunks = models(setting.kind == "sft", setting.kind == "rm")
         units = sb.step_units(case, config.vocab_size, setting.kind)
         per_rank = len(units) // dp
         args = swift_args(setting, layout, num_microbatches, per_rank)

@@ -129,7 +129,11 @@ def run_stack(
         got = pool.run(worker, lay.world_size, lay.parallel(), case, lay.num_microbatches, ROWS,
                        settings)[0]  # fmt: skip
         runs = {(row, _mode(s), s): grads for (row, s), grads in got.items()}
-        targets = _targets(pool, case, settings, cache)
+        targets = {  # the runs ms-swift cannot make here (ranks.runs_on) stay empty
+            (row, mode, s): want
+            for (row, mode, s), want in _targets(pool, case, settings, cache).items()
+            if (SWIFT_ROW if row == SELF_ROW else row, mode, s) in runs
+        }
         record_runs(report, opts.tolerance, lay, runs, targets, released=SWIFT_ROW, own=SELF_ROW,
                     name=row_name)  # fmt: skip
 
