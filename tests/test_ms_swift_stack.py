@@ -167,6 +167,7 @@ def test_adapter_is_exact_under_context_and_pipeline_parallelism(swift_pool, lay
         ("bypassed_layout_grads", "dpo-packed"),
         ("micro_batch_mean_grads", "dpo-packed"),
         ("micro_batch_mean_grads", "kto-packed"),
+        ("bypassed_layout_grads", "rm-packed"),
         ("micro_batch_mean_grads", "rm-packed"),
         ("micro_batch_kl_grads", "kto-kl"),
     ],
