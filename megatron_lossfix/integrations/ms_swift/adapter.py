@@ -27,9 +27,10 @@ What changes, besides:
 
 SFT (``MegatronTrainer``: ``(sum(loss x mask), tokens)`` with ``calculate_per_token_loss``) is
 already the step's token mean under every layout: its step runs as released. The reward
-model's ``center_rewards_coefficient`` (a mean of squared rewards per micro-batch) is refused in
-one line. Other trainers (GRPO, GKD, embedding, reranker) are refused in one line. The first-step
-re-split check is off unless ``MEGATRON_LOSSFIX_MS_SWIFT_SELF_CHECK=1``.
+model's ``center_rewards_coefficient`` term (a mean of squared rewards per micro-batch as
+released) is weighed per pair as well. Other trainers (GRPO, GKD, embedding, reranker) are
+refused in one line. The first-step re-split check is off unless
+``MEGATRON_LOSSFIX_MS_SWIFT_SELF_CHECK=1``.
 """
 
 from __future__ import annotations
@@ -226,24 +227,22 @@ def _dpo_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
 def _rm_loss(trainer: Any, mb: dict[str, Any], output_tensor: torch.Tensor, *,
              data: dict) -> tuple:  # fmt: skip
     """ms-swift's reward-model loss of one micro-batch as the plugin's weighted sum: each pair's
-    ``-log sigmoid(r_c - r_r [- margin])`` (its ``loss_func``'s terms) times the pair's weight.
-    The rewards are read at the last tokens of whole sequences (ms-swift's ``get_last_tokens``,
-    which gathers the context-parallel shards with the gradient to this rank's own): each
-    context-parallel rank weighs the whole loss with the whole pair weight."""
-    if trainer.args.center_rewards_coefficient is not None:
-        raise ValueError(
-            "the ms-swift adapter weighs each reward pair alone: unset "
-            "center_rewards_coefficient, or disable the adapter"
-        )
+    ``-log sigmoid(r_c - r_r [- margin])`` and ``center_rewards_coefficient x (r_c + r_r)^2``
+    (its ``loss_func``'s terms) times the pair's weight. The rewards are read at the last tokens
+    of whole sequences (ms-swift's ``get_last_tokens``, which gathers the context-parallel shards
+    with the gradient to this rank's own): each context-parallel rank weighs the whole loss with
+    the whole pair weight."""
     packed = data.get("packed_seq_params")
     rewards = trainer.get_last_tokens(output_tensor, packed, data.get("attention_mask"))
     rewards = rewards.reshape(-1)
     k = mb["num_pairs"]
     chosen, rejected = rewards[:k], rewards[k : 2 * k]
     margin = data.pop("margin", None)
-    if margin is not None:
-        chosen = chosen - margin.to(device=chosen.device, dtype=chosen.dtype).reshape_as(chosen)
-    losses = -torch.nn.functional.logsigmoid(chosen - rejected)
+    shift = 0 if margin is None else margin.to(chosen).reshape_as(chosen)
+    losses = -torch.nn.functional.logsigmoid(chosen - rejected - shift)
+    center = trainer.args.center_rewards_coefficient
+    if center is not None:
+        losses = losses + center * (chosen + rejected) ** 2
     w = _pair_weights(mb["loss_weights"], mb["pair_ids"], mb.get("cu_seqlens"))[:k]
     loss = (w.to(losses.dtype) * losses).sum()
     report = {

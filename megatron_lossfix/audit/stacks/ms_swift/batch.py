@@ -72,6 +72,7 @@ SETTINGS: dict[str, Setting] = {
     **_both("kto", "kto", calculate_KL=False),
     **_both("kto-kl", "kto", calculate_KL=True),
     **_both("rm", "rm"),
+    **_both("rm-center", "rm", center_rewards_coefficient=0.01),
 }
 KINDS: tuple[str, ...] = ("sft", "dpo", "kto", "rm")
 #: ms-swift's normalizations and the plugin's modes: a token mean (SFT) and a unit mean (a DPO

@@ -13,7 +13,8 @@ Per sequence ``s``: ``logp_s`` = the sum of its response tokens' log-probs under
   over the step's pairs, plus ``rpo_alpha`` times the chosen responses' token mean of the cross
   entropy over the step (what ms-swift computes on one rank with one micro-batch).
 * ``rm`` (a value head in place of the output layer): per pair, ``-log sigmoid(r_c - r_r)``
-  with ``r`` the head's output at the sequence's last token; the mean over the step's pairs.
+  with ``r`` the head's output at the sequence's last token, plus ``center_rewards_coefficient``
+  times ``(r_c + r_r)^2``; the mean over the step's pairs.
 * ``kto``: TRL's KTO loss per example, the mean over the step's examples; with the KL baseline,
   ``kl = max(0, mean over the step's KL completions of (logp - ref))``, no gradient.
 """
@@ -76,7 +77,11 @@ def swift_reference(case: OracleCase, name: str) -> dict[str, torch.Tensor]:
         last = torch.tensor([len(ids) - 1 for ids, _ in seqs])
         rewards = values[torch.arange(len(seqs)), last]
         k = len(units)
-        (-F.logsigmoid(rewards[:k] - rewards[k:])).mean().backward()
+        args = swift_args(setting, type("L", (), {"cp": 1, "pp": 1, "dp": 1})(), 1, 1)
+        losses = -F.logsigmoid(rewards[:k] - rewards[k:])
+        if args.center_rewards_coefficient is not None:
+            losses = losses + args.center_rewards_coefficient * (rewards[:k] + rewards[k:]) ** 2
+        losses.mean().backward()
         model.finish_grad_sync()
         return gather_full_grads([model])
     model, config = one_rank_tiny_gpt(case)
