@@ -15,9 +15,9 @@ after the printed unit tier).
   needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
-  SkyRL, slime, AReaL, ROLL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
-  (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
-  page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
+  SkyRL, slime, AReaL, ROLL, ms-swift: ``STACK_PAGES``) and the commands of
+  docs/megatron_lm_rl.md (``PAGE_TESTS``), each in the fresh virtualenv its page's install line
+  makes, run as the page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
   which ``.ci/run`` sets: slime is not on the package index; without it its tests skip, and
   under CI the run stops).
 
@@ -136,6 +136,7 @@ STACK_PAGES = (
     "docs/slime.md",
     "docs/areal.md",
     "docs/roll.md",
+    "docs/ms_swift.md",
 )
 #: Pages besides the stacks' whose commands need an environment of their own: each has one
 #: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack
@@ -191,11 +192,17 @@ def _page_steps() -> list[Step]:
     return [page_step(stack, line) for _, stack, line in _stack_pages()]
 
 
+def _stack_test_file(stack: str) -> str:
+    """``tests/test_<stack>_stack.py``, a hyphen of the stack's name an underscore there
+    (``ms-swift``: ``tests/test_ms_swift_stack.py``)."""
+    return f"tests/test_{stack.replace('-', '_')}_stack.py"
+
+
 def _stack_tests(session: nox.Session, page: str, stack: str) -> None:
     """The stack's tests and the pages' stack commands (or the page's ``PAGE_TESTS``), with the
     Python of the virtualenv its page's line made, in that copy of the tree."""
     tests = PAGE_TESTS.get(page) or [
-        t for t in (f"tests/test_{stack}_stack.py", *STACK_COMMANDS_TESTS)
+        t for t in (_stack_test_file(stack), *STACK_COMMANDS_TESTS)
         if os.path.isfile(os.path.join(page_tree(stack), t))
     ]  # fmt: skip
     run_page_tests(session, stack, *PYTEST, *tests)
@@ -240,8 +247,7 @@ def tests_312(session: nox.Session) -> None:
         ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
         if not started("page-"):  # this session alone
             ahead(session, *_page_steps())
-    stack_tests = [f"tests/test_{stack}_stack.py" for stack in
-                   (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
+    stack_tests = [_stack_test_file(doc_pages.install_line(page)[0]) for page in STACK_PAGES]
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
     elsewhere = [t for page, _, _ in stacks for t in PAGE_TESTS.get(page, ())]
     _pytest(session, "tests", *(f"--ignore={test}" for test in ignore),

@@ -145,6 +145,12 @@ setup(
             "opentelemetry-exporter-otlp",
             "TransferQueue==0.1.6",
         ],
+        # ms-swift's Megatron trainers (swift/megatron/trainers/) at the release the stack audit
+        # and the adapter are measured with, and the Megatron bridge ms-swift pins for it.
+        # ms-swift imports msgspec without declaring it. mcore_bridge imports Transformer
+        # Engine, which needs CUDA: the adapter's CPU module provides stand-ins
+        # (docs/ms_swift.md).
+        "ms-swift": ["ms-swift==4.6.0", "mcore-bridge==1.6.5", "msgspec"],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

@@ -37,6 +37,12 @@ def _areal() -> ModuleType:
     return areal
 
 
+def _ms_swift() -> ModuleType:
+    from megatron_lossfix.audit.stacks.ms_swift import stack as ms_swift
+
+    return ms_swift
+
+
 def _verl() -> ModuleType:
     from megatron_lossfix.audit.stacks.verl import stack as verl
 
@@ -65,6 +71,7 @@ def _skyrl() -> ModuleType:
 STACKS: dict[str, Callable[[], ModuleType]] = {
     "areal": _areal,
     "roll": _roll,
+    "ms-swift": _ms_swift,
     "skyrl": _skyrl,
     "slime": _slime,
     "verl": _verl,
