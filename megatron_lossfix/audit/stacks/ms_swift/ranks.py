@@ -22,7 +22,16 @@ import torch
 from megatron_lossfix.audit.oracle import OracleCase
 from megatron_lossfix.audit.stacks.ms_swift import batch as sb
 
-__all__ = ["ADAPTED_ROW", "ROWS", "SWIFT_ROW", "audit_trainer", "swift_layout_grads", "swift_args"]
+__all__ = [
+    "ADAPTED_ROW",
+    "ROWS",
+    "RUNS_ON_NOTE",
+    "SWIFT_ROW",
+    "audit_trainer",
+    "runs_on",
+    "swift_args",
+    "swift_layout_grads",
+]
 
 SWIFT_ROW, ADAPTED_ROW = "ms-swift", "ms-swift+lossfix"
 ROWS: tuple[str, ...] = (SWIFT_ROW, ADAPTED_ROW)
@@ -170,6 +179,12 @@ def _switch(row: str, trainer: Any) -> Any:
     from megatron_lossfix.integrations import ms_swift as adapter
 
     return adapter.enable()
+
+
+RUNS_ON_NOTE = (
+    "not run under context parallelism: ms-swift's reward model gathers packed shards with "
+    "Megatron's _undo_attention_load_balancing, which needs Transformer Engine >= 1.10"
+)
 
 
 def runs_on(setting: sb.Setting, layout: Any) -> bool:

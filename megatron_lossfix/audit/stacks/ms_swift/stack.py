@@ -30,7 +30,9 @@ from megatron_lossfix.audit.stacks.ms_swift.objective import swift_references
 from megatron_lossfix.audit.stacks.ms_swift.ranks import (
     ADAPTED_ROW,
     ROWS,
+    RUNS_ON_NOTE,
     SWIFT_ROW,
+    runs_on,
     swift_layout_grads,
 )
 
@@ -109,11 +111,17 @@ def run_stack(
     (tests bypass the adapter through it)."""
     started = time.perf_counter()
     settings = tuple(settings) if settings is not None else settings_of(opts.modes)
+    # What ms-swift cannot run under one of the layouts (ranks.runs_on) leaves the report whole.
+    left_out = [
+        n for n in settings if not all(runs_on(SETTINGS[n], lay.parallel()) for lay in opts.layouts)
+    ]
+    settings = tuple(n for n in settings if n not in left_out)
     per_run = [row_name(row, _mode(s), s) for s in settings for row in ROWS]
     own = [row_name(SELF_ROW, _mode(s), s) for s in settings]
     options = {
         **options,
         "settings": {name: dataclasses.asdict(SETTINGS[name]) for name in settings},
+        "left_out": {name: RUNS_ON_NOTE for name in left_out},
     }
     report = AuditReport(
         options=options,
@@ -129,11 +137,7 @@ def run_stack(
         got = pool.run(worker, lay.world_size, lay.parallel(), case, lay.num_microbatches, ROWS,
                        settings)[0]  # fmt: skip
         runs = {(row, _mode(s), s): grads for (row, s), grads in got.items()}
-        targets = {  # the runs ms-swift cannot make here (ranks.runs_on) stay empty
-            (row, mode, s): want
-            for (row, mode, s), want in _targets(pool, case, settings, cache).items()
-            if (SWIFT_ROW if row == SELF_ROW else row, mode, s) in runs
-        }
+        targets = _targets(pool, case, settings, cache)
         record_runs(report, opts.tolerance, lay, runs, targets, released=SWIFT_ROW, own=SELF_ROW,
                     name=row_name)  # fmt: skip
 
