@@ -123,6 +123,32 @@ setup(
             "trackio",
             "wandb",
         ],
+        # NeMo-RL's Megatron loss path (its policy worker's train(), nemo_rl/models/megatron and
+        # what they import) beside torch and megatron-core, and the build tools that
+        # `python -m megatron_lossfix install-nemo-rl` installs its three sources with (NeMo-RL,
+        # Megatron Bridge, Megatron-LM's megatron/core: none is on the package index at
+        # NeMo-RL's pins; docs/nemo_rl.md). Never Transformer Engine, vLLM or flash-attn.
+        "nemo-rl": [
+            "setuptools>=78.1.1,<80",
+            "wheel",
+            "pydantic",
+            "transformers>=5.8,<5.9",
+            "hydra-core",
+            "omegaconf",
+            "ray",
+            "nvidia-ml-py",
+            "mlflow-skinny",
+            "tensordict",
+            "datasets",
+            "swanlab",
+            "wandb",
+            "pillow",
+            "pyzmq",
+            "matplotlib",
+            "ipython",
+            "tensorboard",
+            "prometheus_client",
+        ],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },
