@@ -43,6 +43,12 @@ def _verl() -> ModuleType:
     return verl
 
 
+def _nemo_rl() -> ModuleType:
+    from megatron_lossfix.audit.stacks.nemo_rl import stack as nemo_rl
+
+    return nemo_rl
+
+
 def _slime() -> ModuleType:
     from megatron_lossfix.audit.stacks.slime import stack as slime
 
@@ -58,6 +64,7 @@ def _skyrl() -> ModuleType:
 #: Stack name -> a function returning the module that runs it.
 STACKS: dict[str, Callable[[], ModuleType]] = {
     "areal": _areal,
+    "nemo-rl": _nemo_rl,
     "skyrl": _skyrl,
     "slime": _slime,
     "verl": _verl,

@@ -1,0 +1,142 @@
+"""``--stack nemo-rl``: NeMo-RL's own Megatron policy worker under the audit's layouts.
+
+What runs is NeMo-RL's code, unchanged, from its source (docs/nemo_rl.md):
+``MegatronPolicyWorkerImpl.train`` (its step counts from ``process_global_batch``, its
+micro-batches from ``get_microbatch_iterator``, ``megatron_forward_backward`` with its
+``LossPostProcessor``: the loss divided by CP and multiplied by ``num_microbatches / CP``), its
+loss functions (``batch``: the settings), and the split path ``begin_train_step`` /
+``train_microbatch`` / ``finish_train_step`` (``ranks``), on megatron-core 0.20.0 (the
+Megatron-LM tree at NeMo-RL's pin).
+
+Rows per setting (``modes`` of the audit: ``--modes pg,vapo``): ``nemo-rl`` (as released)
+against the exact objective (``objective``: the plugin's counts, one forward pass on one rank),
+``nemo-rl-vs-1rank`` (against NeMo-RL's own one-rank, one-micro-batch gradient: its layout
+dependence alone) and ``nemo-rl+lossfix`` (through :mod:`megatron_lossfix.integrations.nemo_rl`)
+against the exact objective. Each setting runs through ``train()`` and, as ``<setting>+split``,
+through the split path with three ``train_microbatch`` calls per DP rank (the adapter refuses
+``vapo`` there: no adapted row). The rows without a setting are the worst over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from megatron_lossfix.audit.matrix import MatrixLayout, parse_layout
+from megatron_lossfix.audit.report import AuditReport, Progress, each_layout
+from megatron_lossfix.audit.stacks.modes import StackMode, record_runs
+from megatron_lossfix.audit.stacks.nemo_rl.batch import LENGTHS, SETTINGS
+from megatron_lossfix.audit.stacks.nemo_rl.objective import nemo_rl_reference
+from megatron_lossfix.audit.stacks.nemo_rl.ranks import (
+    ADAPTED_ROW,
+    NEMO_RL_ROW,
+    ROWS,
+    nemo_rl_layout_grads,
+)
+
+__all__ = ["DISTRIBUTION", "LAYOUTS", "MODES", "SPLIT_CALLS", "row_name", "run_stack", "runs"]
+
+DISTRIBUTION = "nemo-rl"
+#: How to install what the stack runs (NeMo-RL and its pins are not on the package index).
+INSTALL = (
+    'pip install -e ".[nemo-rl]" (from this clone), then python -m megatron_lossfix '
+    'install-nemo-rl "$NEMO_RL_SOURCE" "$MEGATRON_BRIDGE_SOURCE" "$MEGATRON_LM_SOURCE" '
+    "(docs/nemo_rl.md)"
+)
+SELF_ROW = "nemo-rl-vs-1rank"
+#: Each setting and the plugin mode whose weights it means.
+MODES: dict[str, StackMode] = {
+    "pg": StackMode(plugin_mode="token_mean"),
+    "gspo": StackMode(plugin_mode="sequence_mean"),
+    "vapo": StackMode(plugin_mode="token_mean"),
+    "nll": StackMode(plugin_mode="token_mean"),
+    "dpo": StackMode(plugin_mode="sequence_mean"),
+    "distillation": StackMode(plugin_mode="token_mean"),
+}
+assert tuple(MODES) == SETTINGS
+#: ``train_microbatch`` calls per DP rank on the split path.
+SPLIT_CALLS = 3
+#: Rows per micro-batch on the split path (DPO needs whole pairs in a micro-batch).
+SPLIT_MBS = 2
+#: Without ``--layouts``: one rank in one and three micro-batches, DP2, TP2, PP2.
+LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp1-m3", "dp2-m1", "dp2-m3", "tp2-m3", "pp2-m3")
+ROWS_OF_STEP = len(LENGTHS)
+
+
+def row_name(row: str, path: str, setting: str) -> str:
+    """``row:setting``, and ``+split`` for the split path."""
+    return f"{row}:{setting}" + ("+split" if path == "split" else "")
+
+
+def runs(settings: Sequence[str]) -> list[tuple[str, str, str]]:
+    """Every ``(row, path, setting)`` a layout runs (``path``: ``train`` or ``split``)."""
+    out = []
+    for path in ("train", "split"):
+        for setting in settings:
+            for row in ROWS:
+                if path == "split" and row == ADAPTED_ROW and setting == "vapo":
+                    continue  # refused by the adapter (its module docstring)
+                out.append((row, path, setting))
+    return out
+
+
+def _mbs(lay: MatrixLayout) -> int:
+    per_rank = ROWS_OF_STEP // lay.dp
+    if per_rank % lay.num_microbatches or (per_rank // lay.num_microbatches) % 2:
+        raise ValueError(
+            f"layout {lay.name}: the step's {ROWS_OF_STEP} rows give {per_rank} per DP rank; "
+            f"m{lay.num_microbatches} must cut them into micro-batches of an even size (DPO pairs)"
+        )
+    return per_rank // lay.num_microbatches
+
+
+def run_stack(
+    opts: Any,
+    options: dict[str, Any],
+    *,
+    pool: Any,
+    progress: IO[str] | None,
+    worker: Callable[..., Any] = nemo_rl_layout_grads,
+) -> AuditReport:
+    """Rows ``nemo-rl`` and ``nemo-rl+lossfix`` (worst run per layout), one row per run
+    (:func:`row_name`) and ``nemo-rl-vs-1rank:<run>``; ``worker`` runs on every rank (tests
+    bypass the adapter through it)."""
+    started = time.perf_counter()
+    settings = tuple(opts.modes)
+    plan = runs(settings)
+    per_run = [row_name(*run) for run in plan]
+    own = [row_name(SELF_ROW, p, s) for row, p, s in plan if row == NEMO_RL_ROW]
+    report = AuditReport(
+        options={**options, "rows_per_step": ROWS_OF_STEP, "split_calls": SPLIT_CALLS},
+        modes=[*ROWS, *per_run, *own],
+        layouts=[{**dataclasses.asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
+        baselines=(NEMO_RL_ROW, *(r for r in per_run if r.startswith(NEMO_RL_ROW + ":")), *own),
+    )
+    bar = Progress(len(opts.layouts), progress)
+    exact = pool.run(nemo_rl_reference, 1, settings)[0]
+    one_rank = parse_layout("dp1-m1")
+    train_runs = [(row, s) for row, p, s in plan if p == "train"]
+    split_runs = [(row, s) for row, p, s in plan if p == "split"]
+    mine = pool.run(
+        worker, 1, one_rank.parallel(), [(NEMO_RL_ROW, s) for s in settings], ROWS_OF_STEP, 0
+    )[0]
+    targets: dict[tuple[str, str, str], Any] = {}
+    for row, path, setting in plan:
+        targets[(row, path, setting)] = exact[setting]
+        if row == NEMO_RL_ROW:
+            targets[(SELF_ROW, path, setting)] = mine[(NEMO_RL_ROW, setting)]
+
+    def measure(lay: MatrixLayout) -> None:
+        got = pool.run(worker, lay.world_size, lay.parallel(), train_runs, _mbs(lay), 0)[0]
+        split = pool.run(worker, lay.world_size, lay.parallel(), split_runs, SPLIT_MBS,
+                         SPLIT_CALLS)[0]  # fmt: skip
+        results = {(row, "train", s): g for (row, s), g in got.items()}
+        results.update({(row, "split", s): g for (row, s), g in split.items()})
+        record_runs(report, opts.tolerance, lay, results, targets, released=NEMO_RL_ROW,
+                    own=SELF_ROW, name=row_name)  # fmt: skip
+
+    each_layout(report, bar, [(lay,) for lay in opts.layouts], measure)
+    report.elapsed_s = time.perf_counter() - started
+    return report
