@@ -16,7 +16,8 @@ the adapter changes is where a count is not the step's, or not the plugin's:
   ``rewards`` in the batch) is normalized by the correct samples' loss tokens of the micro-batch
   NeMo-RL hands the loss (of one sequence under sequence packing): the adapter computes that
   term with ``token_mean`` weights over the step's correct tokens (their global count, in the
-  same all-reduce), and the rest of the loss as released.
+  same all-reduce), and the rest of the loss as released. It acts on the loss calls of a step
+  it counted (they receive the counts it returned); a loss called on its own runs as released.
 * **The split path** (``begin_train_step``, ``train_microbatch`` per chunk,
   ``finish_train_step``) trains with factor 1 and scales the gradients once by 1 / count at
   the end, from counts accumulated over every chunk and reduced once: the adapter accumulates
@@ -29,6 +30,7 @@ Metrics NeMo-RL reports keep their own normalizers; the gradient is the plugin's
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -38,11 +40,13 @@ import torch
 
 from megatron_lossfix.runtime.weights import count_tokens
 
-__all__ = ["disable", "enable", "enabled", "is_enabled", "step_counts"]
+__all__ = ["disable", "enable", "enabled", "hook_calls", "is_enabled", "step_counts"]
 
 _ORIGINALS: dict[str, Any] = {}
 #: The counts of the step ``process_global_batch`` opened last (this process).
 _STEP: dict[str, torch.Tensor] = {}
+#: How often each of the adapter's hooks acted since :func:`enable`.
+_CALLS: collections.Counter = collections.Counter()
 
 
 def _modules() -> tuple[Any, Any]:
@@ -98,25 +102,43 @@ def step_counts() -> dict[str, torch.Tensor]:
     return dict(_STEP)
 
 
+def hook_calls() -> dict[str, int]:
+    """How often each hook ran since :func:`enable`: ``step_counts`` (a step's counts),
+    ``pg_loss`` (every ``ClippedPGLossFn`` call, through the hook), ``vapo_term`` (those of a
+    counted step with the VAPO term, which the hook computes), ``split_chunk``."""
+    return dict(_CALLS)
+
+
 def _process_global_batch(original: Any, data: Any, loss_fn: Any, dp_group: Any, **kw: Any):
     out = original(data, loss_fn, dp_group, **kw)
     totals = _local_counts(loss_fn, out["batch"]).to(out["global_valid_toks"].device)
     torch.distributed.all_reduce(totals, group=dp_group)
-    _STEP.update(tokens=totals[0], units=totals[1], correct_tokens=totals[2])
     dtype = out["global_valid_toks"].dtype
-    return {**out, "global_valid_toks": totals[0].to(dtype), "global_valid_seqs": totals[1].to(dtype)}
+    toks, seqs = totals[0].to(dtype), totals[1].to(dtype)
+    # The step's loss calls receive these very tensors (NeMo-RL passes them through): the VAPO
+    # hook acts on those calls only, never on a loss called outside this step.
+    _STEP.update(tokens=toks, units=seqs, correct_tokens=totals[2])
+    _CALLS["step_counts"] += 1
+    return {**out, "global_valid_toks": toks, "global_valid_seqs": seqs}
 
 
-def _clipped_pg_call(original: Any, self: Any, next_token_logprobs: torch.Tensor, data: Any,
-                     global_valid_seqs: Any, global_valid_toks: Any, *args: Any, **kw: Any):  # fmt: skip
-    if not _vapo(self, data):
+def _clipped_pg_call(
+    original: Any,
+    self: Any,
+    next_token_logprobs: torch.Tensor,
+    data: Any,
+    global_valid_seqs: Any,
+    global_valid_toks: Any,
+    *args: Any,
+    **kw: Any,
+) -> tuple[torch.Tensor, dict]:
+    _CALLS["pg_loss"] += 1
+    if not _vapo(self, data) or global_valid_toks is not _STEP.get("tokens"):
+        # Not a loss call of a step the adapter counted (a loss called on its own, or NeMo-RL's
+        # other workers): as released.
         return original(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks,
                         *args, **kw)  # fmt: skip
-    if "correct_tokens" not in _STEP:
-        raise RuntimeError(
-            "the VAPO NLL term needs the step's correct tokens, counted when the worker's "
-            "train() opens the step; enable() the adapter before the step"
-        )
+    _CALLS["vapo_term"] += 1
     weight = self.positive_example_nll_weight
     self.positive_example_nll_weight = 0.0
     try:
@@ -140,6 +162,7 @@ def _train_microbatch_body(original: Any, self: Any, state: dict, data: Any) -> 
             "ends, and the VAPO NLL term needs its own count (the step's correct tokens): train "
             "with positive_example_nll_weight through train(), or set it to 0"
         )
+    _CALLS["split_chunk"] += 1
     local = _local_counts(loss_fn, data).to(state["local_valid_toks"].device)
     state["lossfix_counts"] = state.get("lossfix_counts", 0) + local
     return original(self, state, data)
@@ -192,6 +215,7 @@ def disable() -> None:
         setattr(owner, name, original)
     _ORIGINALS.clear()
     _STEP.clear()
+    _CALLS.clear()
 
 
 @contextlib.contextmanager

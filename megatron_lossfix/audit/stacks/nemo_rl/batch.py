@@ -65,7 +65,7 @@ def loss_fn(setting: str) -> Any:
         return lf.DPOLossFn(lf.DPOLossConfig(reference_policy_kl_penalty=0.1, sft_loss_weight=0.2))
     if setting == "distillation":
         return lf.DistillationLossFn(
-            lf.DistillationLossConfig(kl_type="forward", mixed_kl_weight=0.5, zero_outside_topk=False)
+            lf.DistillationLossConfig(kl_type="forward", zero_outside_topk=False)
         )
     raise ValueError(f"unknown NeMo-RL setting {setting!r}; choose from {', '.join(SETTINGS)}")
 
