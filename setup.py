@@ -31,9 +31,10 @@ setup(
     install_requires=[
         "torch>=2.6",
         "packaging",
-        # Proven by the suite on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (noxfile.py); a release outside
-        # this range warns at run time (megatron_compat.warn_if_untested).
-        "megatron-core>=0.16,<0.20",
+        # Proven by the suite on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (noxfile.py), and on 0.20.0
+        # (Megatron-LM main, not on the index) in the NeMo-RL page's environment (docs/releases.md);
+        # a release outside this range warns at run time (megatron_compat.warn_if_untested).
+        "megatron-core>=0.16,<0.21",
     ],
     extras_require={
         # Test-only tools; the suite runs on CPU with gloo, one pytest-xdist worker per core.

@@ -181,8 +181,8 @@ def _brief(cmd: str) -> list[str]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("cmd", _stack_commands(), ids=lambda c: " ".join(c.split()[4:8]))
 def test_stack_audit_runs_as_printed(cmd, tmp_path):
-    stack = re.search(r"--stack (\w+)", cmd)[1]
-    if importlib.util.find_spec(stack) is None:
+    stack = re.search(r"--stack ([\w-]+)", cmd)[1]
+    if importlib.util.find_spec(stack.replace("-", "_")) is None:
         pytest.skip(f"{stack} is not installed (the pages' {_venv(stack)} has it)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
