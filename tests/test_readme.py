@@ -177,6 +177,11 @@ def test_ci_runs_the_readme_test_command():
             assert cmd == test_cmd, f"a page prints another test command: {cmd}"
 
 
+#: NeMo-RL's page's inputs, and the archives in ../shared/nemo-rl that .ci/run names for them.
+NEMO_RL = ("NEMO_RL_SOURCE", "MEGATRON_BRIDGE_SOURCE", "MEGATRON_LM_SOURCE")
+NEMO_RL_ARCHIVES = ("NeMo-RL-7ea279a", "Megatron-Bridge-8c46dc4", "Megatron-LM-14346b6")
+
+
 def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProcess:
     """``.ci/run`` in a clone at ``tmp_path/clone`` with the Megatron-LM archives beside it (and
     slime's and AReaL's inputs with ``inputs``), stopped where it would install nox: a
@@ -187,7 +192,11 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     tags = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main")
     names = [f"megatron-lm/{tag}.tar.gz" for tag in tags]
     if inputs:
-        names += ["slime/slime-624b824.tar.gz", "areal/areal-tests-4aef98d.tar.gz"]
+        names += [
+            "slime/slime-624b824.tar.gz",
+            "areal/areal-tests-4aef98d.tar.gz",
+            *(f"nemo-rl/{name}.tar.gz" for name in NEMO_RL_ARCHIVES),
+        ]
     for name in names:
         (shared / name).parent.mkdir(parents=True, exist_ok=True)
         (shared / name).write_bytes(b"")
@@ -199,7 +208,7 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     )
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "CI": ci, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS")}
+    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS", *NEMO_RL)}
     return subprocess.run(["bash", str(clone / ".ci" / "run")], env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
@@ -210,8 +219,12 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     """Under CI a missing input of the stacks' tests fails the run before anything installs,
     naming what is missing; elsewhere the run goes on, saying which tests are left out; with
     the inputs there, it exports them for the tests."""
-    missing = ("SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz) "
-               "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)")  # fmt: skip
+    missing = " ".join(
+        ["SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz)",
+         "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)",
+         *(f"{v} (../shared/nemo-rl/{a}.tar.gz)"
+           for v, a in zip(NEMO_RL, NEMO_RL_ARCHIVES, strict=True))]
+    )  # fmt: skip
     run = _ci_run(tmp_path, ci, inputs=False)
     if ci:
         assert run.returncode == 1 and "python3 -m venv" not in run.stdout, run
