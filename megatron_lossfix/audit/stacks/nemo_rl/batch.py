@@ -70,14 +70,16 @@ def loss_fn(setting: str) -> Any:
     raise ValueError(f"unknown NeMo-RL setting {setting!r}; choose from {', '.join(SETTINGS)}")
 
 
-def policy_cfg(mbs: int, gbs: int) -> dict[str, Any]:
-    """The slice of NeMo-RL's ``PolicyConfig`` its Megatron ``train()`` reads."""
+def policy_cfg(mbs: int, gbs: int, packed: bool = False, sizes: tuple = (1, 1, 1)) -> dict:
+    """The slice of NeMo-RL's ``PolicyConfig`` its Megatron ``train()`` reads; ``packed``:
+    sequence packing on (``sizes``: TP, PP, CP, for its padding rule)."""
+    tp, pp, cp = sizes
     return {
         "train_global_batch_size": gbs,
         "train_micro_batch_size": mbs,
-        "sequence_packing": {"enabled": False},
+        "sequence_packing": {"enabled": packed},
         "dynamic_batching": {"enabled": False},
-        "make_sequence_length_divisible_by": 1,
+        "make_sequence_length_divisible_by": 2 * cp if cp > 1 else 1,
         "logprob_chunk_size": None,
         "max_total_sequence_length": WIDTH,
         "megatron_cfg": {
@@ -85,6 +87,10 @@ def policy_cfg(mbs: int, gbs: int) -> dict[str, Any]:
             "use_fused_linear_logprobs": False,
             "moe_per_layer_logging": False,
             "distributed_data_parallel_config": {"overlap_grad_reduce": False},
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "context_parallel_size": cp,
+            "sequence_parallel": False,
         },
     }
 

@@ -103,8 +103,10 @@ def make_worker(model: Any, cfg: dict[str, Any]) -> Any:
     return worker
 
 
-def _local_rows(setting: str, vocab: int) -> Any:
-    """This DP rank's contiguous slice of the step's rows, as a ``BatchedDataDict``."""
+def _local_rows(setting: str, vocab: int, mbs: int, packed: bool) -> Any:
+    """This DP rank's contiguous slice of the step's rows, as a ``BatchedDataDict``; packed:
+    with the micro-batch boundaries NeMo-RL's controller sets for sequence packing (``mbs``
+    rows each, one global batch)."""
     from megatron.core import parallel_state as ps
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -112,7 +114,12 @@ def _local_rows(setting: str, vocab: int) -> Any:
     rows = full["input_ids"].shape[0]
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = rows // dp
-    return BatchedDataDict({k: v[rank * per : (rank + 1) * per].clone() for k, v in full.items()})
+    local = BatchedDataDict({k: v[rank * per : (rank + 1) * per].clone() for k, v in full.items()})
+    if packed:
+        bounds = [(start, start + mbs) for start in range(0, per, mbs)]
+        local.micro_batch_indices = [bounds]
+        local.micro_batch_lengths = [[nb.WIDTH * mbs for _ in bounds]]
+    return local
 
 
 def run_step(worker: Any, setting: str, data: Any, mbs: int, chunks: int) -> None:
@@ -135,9 +142,11 @@ def nemo_rl_layout_grads(
     runs: Sequence[tuple[str, str]],
     mbs: int,
     chunks: int = 0,
+    packed: bool = False,
 ) -> dict[tuple[str, str], dict[str, torch.Tensor]] | None:
     """Each ``(row, setting)`` of ``runs`` as one NeMo-RL step under ``layout`` (``mbs`` rows per
-    micro-batch; ``chunks`` > 0: the split path); the full gradients on global rank 0."""
+    micro-batch; ``chunks`` > 0: the split path; ``packed``: sequence packing, each micro-batch
+    one THD row); the full gradients on global rank 0."""
     from megatron_lossfix.audit import tiny_gpt
     from megatron_lossfix.audit.stacks.nemo_rl.cpu import prepare_nemo_rl_imports
     from megatron_lossfix.integrations.nemo_rl import adapter
@@ -151,11 +160,12 @@ def nemo_rl_layout_grads(
         raise ValueError("the nemo-rl stack runs without virtual pipeline stages")
     out = {}
     for row, setting in runs:
-        cfg = nb.policy_cfg(mbs, 0)
+        sizes = (layout.tp, layout.pp, layout.cp)
+        cfg = nb.policy_cfg(mbs, 0, packed, sizes)
         worker = make_worker(model, cfg)
         tiny_gpt.set_deterministic_params([model], seed=0)
         model.zero_grad_buffer()
-        data = _local_rows(setting, config.vocab_size)
+        data = _local_rows(setting, config.vocab_size, mbs, packed)
         with adapter.enabled(row == ADAPTED_ROW):
             run_step(worker, setting, data, mbs, chunks)
         out[(row, setting)] = tiny_gpt.gather_full_grads([model])

@@ -14,7 +14,9 @@ against the exact objective (``objective``: the plugin's counts, one forward pas
 dependence alone) and ``nemo-rl+lossfix`` (through :mod:`megatron_lossfix.integrations.nemo_rl`)
 against the exact objective. Each setting runs through ``train()`` and, as ``<setting>+split``,
 through the split path with three ``train_microbatch`` calls per DP rank (the adapter refuses
-``vapo`` there: no adapted row). The rows without a setting are the worst over them.
+``vapo`` there: no adapted row). CP layouts, and those of :data:`ALSO_PACKED` once more, run
+with NeMo-RL's sequence packing (``+packed``; ``train()`` only, DPO not: NeMo-RL refuses it).
+The rows without a setting are the worst over them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from megatron_lossfix.audit.stacks.nemo_rl.ranks import (
     nemo_rl_layout_grads,
 )
 
-__all__ = ["DISTRIBUTION", "LAYOUTS", "MODES", "SPLIT_CALLS", "row_name", "run_stack", "runs"]
+__all__ = [
+    "DISTRIBUTION", "LAYOUTS", "MODES", "PACKED", "SPLIT_CALLS", "columns", "row_name",
+    "run_stack", "runs",
+]  # fmt: skip
 
 DISTRIBUTION = "nemo-rl"
 #: How to install what the stack runs (NeMo-RL and its pins are not on the package index).
@@ -60,8 +65,16 @@ assert tuple(MODES) == SETTINGS
 SPLIT_CALLS = 3
 #: Rows per micro-batch on the split path (DPO needs whole pairs in a micro-batch).
 SPLIT_MBS = 2
-#: Without ``--layouts``: one rank in one and three micro-batches, DP2, TP2, PP2.
-LAYOUTS: tuple[str, ...] = ("dp1-m1", "dp1-m3", "dp2-m1", "dp2-m3", "tp2-m3", "pp2-m3")
+#: Without ``--layouts``: one rank in one and three micro-batches, DP2, TP2, PP2, CP2.
+LAYOUTS: tuple[str, ...] = (
+    "dp1-m1", "dp1-m3", "dp2-m1", "dp2-m3", "tp2-m3", "pp2-m3", "cp2-m3",
+)  # fmt: skip
+#: The suffix of a column run with NeMo-RL's sequence packing (each micro-batch one THD row).
+PACKED = "+packed"
+#: Layouts that also run packed; a CP layout runs packed only (NeMo-RL shards a packed row).
+ALSO_PACKED: tuple[str, ...] = ("dp1-m3",)
+#: Settings that do not run packed: NeMo-RL's DPO refuses sequence packing (its #719).
+NOT_PACKED: tuple[str, ...] = ("dpo",)
 ROWS_OF_STEP = len(LENGTHS)
 
 
@@ -79,6 +92,18 @@ def runs(settings: Sequence[str]) -> list[tuple[str, str, str]]:
                 if path == "split" and row == ADAPTED_ROW and setting == "vapo":
                     continue  # refused by the adapter (its module docstring)
                 out.append((row, path, setting))
+    return out
+
+
+def columns(layouts: Sequence[MatrixLayout]) -> list[tuple[MatrixLayout, bool]]:
+    """``(layout, packed)`` of each column: every layout without CP as it is, a CP layout and
+    those of :data:`ALSO_PACKED` packed (named ``+packed``)."""
+    out = []
+    for lay in layouts:
+        if lay.cp == 1:
+            out.append((lay, False))
+        if lay.cp > 1 or lay.name in ALSO_PACKED:
+            out.append((dataclasses.replace(lay, name=lay.name + PACKED), True))
     return out
 
 
@@ -108,13 +133,17 @@ def run_stack(
     plan = runs(settings)
     per_run = [row_name(*run) for run in plan]
     own = [row_name(SELF_ROW, p, s) for row, p, s in plan if row == NEMO_RL_ROW]
+    cols = columns(opts.layouts)
     report = AuditReport(
         options={**options, "rows_per_step": ROWS_OF_STEP, "split_calls": SPLIT_CALLS},
         modes=[*ROWS, *per_run, *own],
-        layouts=[{**dataclasses.asdict(lay), "world_size": lay.world_size} for lay in opts.layouts],
+        layouts=[
+            {**dataclasses.asdict(lay), "world_size": lay.world_size, "packed": packed}
+            for lay, packed in cols
+        ],  # fmt: skip
         baselines=(NEMO_RL_ROW, *(r for r in per_run if r.startswith(NEMO_RL_ROW + ":")), *own),
     )
-    bar = Progress(len(opts.layouts), progress)
+    bar = Progress(len(cols), progress)
     exact = pool.run(nemo_rl_reference, 1, settings)[0]
     one_rank = parse_layout("dp1-m1")
     train_runs = [(row, s) for row, p, s in plan if p == "train"]
@@ -128,15 +157,19 @@ def run_stack(
         if row == NEMO_RL_ROW:
             targets[(SELF_ROW, path, setting)] = mine[(NEMO_RL_ROW, setting)]
 
-    def measure(lay: MatrixLayout) -> None:
-        got = pool.run(worker, lay.world_size, lay.parallel(), train_runs, _mbs(lay), 0)[0]
-        split = pool.run(worker, lay.world_size, lay.parallel(), split_runs, SPLIT_MBS,
-                         SPLIT_CALLS)[0]  # fmt: skip
+    def measure(lay: MatrixLayout, packed: bool) -> None:
+        mine = [(row, s) for row, s in train_runs if not (packed and s in NOT_PACKED)]
+        got = pool.run(worker, lay.world_size, lay.parallel(), mine, _mbs(lay), 0, packed)[0]
         results = {(row, "train", s): g for (row, s), g in got.items()}
-        results.update({(row, "split", s): g for (row, s), g in split.items()})
-        record_runs(report, opts.tolerance, lay, results, targets, released=NEMO_RL_ROW,
+        if not packed:  # the split path runs unpacked
+            split = pool.run(worker, lay.world_size, lay.parallel(), split_runs, SPLIT_MBS,
+                             SPLIT_CALLS)[0]  # fmt: skip
+            results.update({(row, "split", s): g for (row, s), g in split.items()})
+        wanted = {k: v for k, v in targets.items()
+                  if (NEMO_RL_ROW if k[0] == SELF_ROW else k[0], *k[1:]) in results}  # fmt: skip
+        record_runs(report, opts.tolerance, lay, results, wanted, released=NEMO_RL_ROW,
                     own=SELF_ROW, name=row_name)  # fmt: skip
 
-    each_layout(report, bar, [(lay,) for lay in opts.layouts], measure)
+    each_layout(report, bar, cols, measure)
     report.elapsed_s = time.perf_counter() - started
     return report
