@@ -54,9 +54,20 @@ def test_every_setting_runs_both_paths_and_the_split_path_refuses_vapo():
 
 
 @pytest.mark.unit
+def test_cp_layouts_run_packed_and_one_layout_runs_both_ways():
+    cols = stack.columns([parse_layout(n) for n in ("dp1-m3", "dp2-m3", "cp2-m3")])
+    assert [(lay.name, packed) for lay, packed in cols] == [
+        ("dp1-m3", False),
+        ("dp1-m3" + stack.PACKED, True),
+        ("dp2-m3", False),
+        ("cp2-m3" + stack.PACKED, True),
+    ]
+
+
+@pytest.mark.unit
 def test_layouts_cut_whole_dpo_pairs():
     for name in stack.LAYOUTS:
-        assert stack._mbs(parse_layout(name)) % 2 == 0
+        assert stack._mbs(parse_layout(name)) % 2 == 0, name
     with pytest.raises(ValueError, match="even size"):
         stack._mbs(parse_layout("dp2-m6"))
 
@@ -94,15 +105,16 @@ def nemo_rl_pool():
     pool.close()
 
 
-def _errors(pool, worker, settings: tuple[str, ...], chunks: int) -> dict:
-    """Each ``(row, setting)``'s error on DP2 against the exact objective, and the released
-    row's against NeMo-RL's own one-rank gradient (``"vs-1rank"``)."""
+def _errors(pool, worker, settings: tuple[str, ...], chunks: int, layout: str = "dp2-m3",
+            packed: bool = False) -> dict:  # fmt: skip
+    """Each ``(row, setting)``'s error on ``layout`` against the exact objective, and the
+    released row's against NeMo-RL's own one-rank gradient (``"vs-1rank"``)."""
     from megatron_lossfix.audit.stacks.nemo_rl.objective import nemo_rl_reference
 
-    lay = parse_layout("dp2-m3")
+    lay = parse_layout(layout)
     runs = [(row, s) for s in settings for row in ("nemo-rl", "nemo-rl+lossfix")]
     mbs = stack.SPLIT_MBS if chunks else stack._mbs(lay)
-    got = pool.run(worker, 2, lay.parallel(), runs, mbs, chunks)[0]
+    got = pool.run(worker, 2, lay.parallel(), runs, mbs, chunks, packed)[0]
     exact = pool.run(nemo_rl_reference, 1, settings)[0]
     one = parse_layout("dp1-m1").parallel()
     own = pool.run(worker, 1, one, [("nemo-rl", s) for s in settings], stack.ROWS_OF_STEP, 0)[0]
@@ -124,6 +136,16 @@ def test_adapter_is_exact_where_nemo_rls_train_is_not(nemo_rl_pool):
     for setting in ("gspo", "dpo"):
         assert abs(errors[("nemo-rl", setting)] - 1 / 11) < 1e-4, errors
         assert errors[("vs-1rank", setting)] <= TOL, errors
+
+
+@needs_nemo_rl
+@pytest.mark.e2e
+def test_packed_cp2_vapo_is_exact_through_the_adapter(nemo_rl_pool):
+    # NeMo-RL's sequence packing calls the loss once per sequence: VAPO's count is then one
+    # sequence's; under CP2 each rank holds a zigzag shard of every packed sequence.
+    errors = _errors(nemo_rl_pool, stack.nemo_rl_layout_grads, ("vapo",), 0, "cp2-m3", True)
+    assert errors[("nemo-rl+lossfix", "vapo")] <= TOL, errors
+    assert errors[("nemo-rl", "vapo")] > 1.0, errors
 
 
 @needs_nemo_rl

@@ -143,6 +143,14 @@ def run_stack(
         ],  # fmt: skip
         baselines=(NEMO_RL_ROW, *(r for r in per_run if r.startswith(NEMO_RL_ROW + ":")), *own),
     )
+    for lay, packed in cols:
+        if not packed:
+            continue
+        for row in report.modes:
+            if row.endswith("+split"):
+                report.not_applicable[f"{row}@{lay.name}"] = "the split path runs unpacked"
+            elif any(row.endswith(f":{s}") for s in NOT_PACKED):
+                report.not_applicable[f"{row}@{lay.name}"] = "NeMo-RL's DPO refuses packing"
     bar = Progress(len(cols), progress)
     exact = pool.run(nemo_rl_reference, 1, settings)[0]
     one_rank = parse_layout("dp1-m1")
