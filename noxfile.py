@@ -15,12 +15,12 @@ after the printed unit tier).
   needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
-  SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of docs/megatron_lm_rl.md
-  (``PAGE_TESTS``), each in the fresh virtualenv its page's install line makes, run as the
-  page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names, NeMo-RL's from
-  ``NEMO_RL_SOURCE``, ``MEGATRON_BRIDGE_SOURCE`` and ``MEGATRON_LM_SOURCE``, which ``.ci/run``
-  sets: neither is on the package index; without them their tests skip, and under CI the run
-  stops).
+  SkyRL, slime, AReaL, ROLL, ms-swift, NeMo-RL: ``STACK_PAGES``) and the commands of
+  docs/megatron_lm_rl.md (``PAGE_TESTS``), each in the fresh virtualenv its page's install line
+  makes, run as the page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
+  NeMo-RL's from ``NEMO_RL_SOURCE``, ``MEGATRON_BRIDGE_SOURCE`` and ``MEGATRON_LM_SOURCE``, which
+  ``.ci/run`` sets: neither is on the package index; without them their tests skip, and under CI
+  the run stops).
 
 * ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone.
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
@@ -131,7 +131,15 @@ BRIDGE_TESTS = ("-m", "e2e", "tests/test_bridge.py")
 #: runs ``tests/test_<stack>_stack.py`` and the pages' stack commands with that virtualenv's
 #: Python. A page whose line names a variable that is not set (slime's ``SLIME_SOURCE``) is
 #: left out, saying so. A new stack is one more page here.
-STACK_PAGES = ("docs/verl.md", "docs/skyrl.md", "docs/slime.md", "docs/areal.md", "docs/nemo_rl.md")
+STACK_PAGES = (
+    "docs/verl.md",
+    "docs/skyrl.md",
+    "docs/slime.md",
+    "docs/areal.md",
+    "docs/roll.md",
+    "docs/ms_swift.md",
+    "docs/nemo_rl.md",
+)
 #: Pages besides the stacks' whose commands need an environment of their own: each has one
 #: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack
 #: page's, and there runs these tests with that virtualenv's Python (the suite leaves them out).
@@ -175,12 +183,6 @@ def _pytest(session: nox.Session, *selection: str, python: str = "python") -> No
     session.run(python, *args, external=python != "python")
 
 
-def stack_test_file(stack: str) -> str:
-    """``tests/test_<stack>_stack.py``, the stack's name as a module name (``nemo-rl``:
-    ``test_nemo_rl_stack.py``)."""
-    return f"tests/test_{stack.replace('-', '_')}_stack.py"
-
-
 def _stack_pages() -> list[tuple[str, str, str]]:
     """``(page, stack, line)`` of each page of ``STACK_PAGES`` and ``PAGE_TESTS`` whose install
     line can run here."""
@@ -192,11 +194,17 @@ def _page_steps() -> list[Step]:
     return [page_step(stack, line) for _, stack, line in _stack_pages()]
 
 
+def _stack_test_file(stack: str) -> str:
+    """``tests/test_<stack>_stack.py``, a hyphen of the stack's name an underscore there
+    (``ms-swift``: ``tests/test_ms_swift_stack.py``)."""
+    return f"tests/test_{stack.replace('-', '_')}_stack.py"
+
+
 def _stack_tests(session: nox.Session, page: str, stack: str) -> None:
     """The stack's tests and the pages' stack commands (or the page's ``PAGE_TESTS``), with the
     Python of the virtualenv its page's line made, in that copy of the tree."""
     tests = PAGE_TESTS.get(page) or [
-        t for t in (stack_test_file(stack), *STACK_COMMANDS_TESTS)
+        t for t in (_stack_test_file(stack), *STACK_COMMANDS_TESTS)
         if os.path.isfile(os.path.join(page_tree(stack), t))
     ]  # fmt: skip
     run_page_tests(session, stack, *PYTEST, *tests)
@@ -241,8 +249,7 @@ def tests_312(session: nox.Session) -> None:
         ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
         if not started("page-"):  # this session alone
             ahead(session, *_page_steps())
-    stack_tests = [stack_test_file(stack) for stack in
-                   (doc_pages.install_line(page)[0] for page in STACK_PAGES)]  # fmt: skip
+    stack_tests = [_stack_test_file(doc_pages.install_line(page)[0]) for page in STACK_PAGES]
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
     elsewhere = [t for page, _, _ in stacks for t in PAGE_TESTS.get(page, ())]
     _pytest(session, "tests", *(f"--ignore={test}" for test in ignore),

@@ -124,6 +124,34 @@ setup(
             "trackio",
             "wandb",
         ],
+        # What ROLL's Megatron strategy, its RLVR actor and DPO worker (roll/distributed/strategy/
+        # megatron_strategy.py, roll/pipeline/{rlvr,dpo}/actor_worker.py) and mcore_adapter import
+        # on CPU beside torch and megatron-core (no vLLM, Transformer Engine or flash-attn).
+        # ROLL is not on the package index (the index's `roll` and `mcore-adapter` are unrelated
+        # projects): its mcore_adapter/ and its tree install from its source without dependencies
+        # beside this extra (docs/roll.md; CI runs that page's line in a fresh virtualenv).
+        "roll": [
+            "transformers>=4.50.0",
+            "accelerate>=0.27.2",
+            "ray",
+            "tensordict>=0.10.0",
+            "omegaconf",
+            "peft",
+            "codetiming",
+            "more_itertools",
+            "pillow",
+            "imageio",
+            "modelscope",
+            "pybase64",
+            "opentelemetry-exporter-otlp",
+            "TransferQueue==0.1.6",
+        ],
+        # ms-swift's Megatron trainers (swift/megatron/trainers/) at the release the stack audit
+        # and the adapter are measured with, and the Megatron bridge ms-swift pins for it.
+        # ms-swift imports msgspec without declaring it. mcore_bridge imports Transformer
+        # Engine, which needs CUDA: the adapter's CPU module provides stand-ins
+        # (docs/ms_swift.md).
+        "ms-swift": ["ms-swift==4.6.0", "mcore-bridge==1.6.5", "msgspec"],
         # NeMo-RL's Megatron loss path (its policy worker's train(), nemo_rl/models/megatron and
         # what they import) beside torch and megatron-core, and the build tools that
         # `python -m megatron_lossfix install-nemo-rl` installs its three sources with (NeMo-RL,

@@ -27,6 +27,7 @@ from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.losses import loss_weights, weighted_loss
 from megatron_lossfix.runtime.mask_in_loss import kept_weights
 from megatron_lossfix.runtime.modes import REDUCTIONS
+from megatron_lossfix.runtime.pairs import pair_weights
 from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.megatron_compat import slice_batch_for_cp
 from megatron_lossfix.step.schedule import LossFixSchedule
@@ -44,6 +45,7 @@ __all__ = [
     "grpo_advantages",
     "kept_weights",
     "loss_weights",
+    "pair_weights",
     "rl_objective",
     "schedule_from_args",
     "slice_batch_for_cp",

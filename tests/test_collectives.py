@@ -58,7 +58,7 @@ from helpers.host_syncs import HostSyncs
 
 from megatron_lossfix import REDUCTIONS
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
-from megatron_lossfix.audit.oracle_case import id_ranges
+from megatron_lossfix.audit.oracle_case import microbatch_ids
 from megatron_lossfix.audit.tiny_gpt import Layout
 
 pytestmark = pytest.mark.oracle
@@ -226,7 +226,7 @@ def _microbatches(batch: dict, dp_rank: int, per_rank: int) -> list[dict]:
     start = dp_rank * per_rank
     return [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
-        | id_ranges(CASE)
+        | microbatch_ids(CASE, size)
         for k in range(NUM_MICROBATCHES)
     ]
 

@@ -56,7 +56,20 @@ GROUPED = [
         {"trajectory_ids": IDS, "num_trajectories": 4},
     ),
 ]
-UNGROUPED = [(mode, mode, {}) for mode in REDUCTIONS if mode != "group_mean"]
+#: Pair ids of ``_data``'s sequences, each micro-batch's own (``pair_mean``): a pair of rows,
+#: a lone row, two pairs.
+PAIR_IDS = [torch.tensor([0, 1, 0]), torch.tensor([0]), torch.tensor([0, 1, 1, 0])]
+GROUPED.append(("pair_mean", "pair_mean", {"pair_ids": PAIR_IDS}))
+UNGROUPED = [(mode, mode, {}) for mode in REDUCTIONS if not mode_of(mode).ids.needed]
+
+
+def _ids(kwargs: dict, masks: list) -> GroupIds | None:
+    """The ``GroupIds`` a step holds for ``loss_weights``' keyword arguments."""
+    if "pair_ids" in kwargs:
+        rows = tuple(m.shape[0] for m in masks)
+        return GroupIds(ids=kwargs["pair_ids"], count=max(rows), name="pair_ids", ranges=rows)
+    ids = kwargs.get("group_ids", kwargs.get("trajectory_ids"))
+    return None if ids is None else GroupIds(ids=ids, count=4)
 
 
 def _step(mode, phase, masks, segment_ids=None, ids=None):
@@ -69,7 +82,7 @@ def _step(mode, phase, masks, segment_ids=None, ids=None):
         cp_group=None,
         norm_constant=_norm(mode),
         segment_ids=segment_ids,
-        group_ids=None if ids is None else GroupIds(ids=ids, count=4),
+        group_ids=ids,
     )
 
 
@@ -115,7 +128,7 @@ def test_excluded_tokens_leave_the_counts(mode, kwargs, seed):
     want = sum(float((w * x).sum()) for w, x in zip(kept_weights_, losses, strict=True))
     weights = loss_weights(masks, mode, norm_constant=norm, **kwargs)  # what the step hands over
     grouped = bool(kwargs)
-    ids = kwargs.get("group_ids", kwargs.get("trajectory_ids"))
+    ids = _ids(kwargs, masks)
     # Zeroed and still counted gives another loss (sum has no count): the check can fail.
     zeroed = sum(float((w * k * x).sum()) for w, k, x in zip(weights, keeps, losses, strict=True))
     assert (zeroed == pytest.approx(want, rel=1e-3)) == (mode == "sum")
@@ -136,7 +149,7 @@ def test_excluded_tokens_leave_the_counts(mode, kwargs, seed):
                          mode, norm)  # fmt: skip
             assert step.phase is Phase.REPLAY
             got = _loss_in_step(step, weights, keeps, losses)
-            if grouped:  # the kept groups: 0 (rows dropped or empty) and 3 are gone
+            if grouped and "pair_ids" not in kwargs:  # kept groups: 0 (dropped, empty), 3 gone
                 assert (step.group_counts > 0).tolist() == [False, True, True, False]
         assert got == pytest.approx(want, rel=1e-6, abs=1e-7), (mode, phase)
 
@@ -235,8 +248,9 @@ def test_nothing_kept_gives_zero_and_no_nan():
     masks, _, losses = _data(6)
     for _, mode, kwargs in UNGROUPED + GROUPED:
         weights = loss_weights(masks, mode, norm_constant=_norm(mode), **kwargs)
-        ids = kwargs.get("group_ids", kwargs.get("trajectory_ids"))
-        step = _step(mode, phase_for(mode, True, False, False, bool(kwargs)), masks, ids=ids)
+        step = _step(
+            mode, phase_for(mode, True, False, False, bool(kwargs)), masks, ids=_ids(kwargs, masks)
+        )
         zero = [torch.zeros_like(m, dtype=torch.bool) for m in masks]
         got = _loss_in_step(step, weights, zero, losses)
         counts, _ = _agreed(step)
@@ -303,7 +317,7 @@ def test_which_path_each_step_takes(mode):
     assert phase_for(mode, False, True, True) is Phase.ZERO
     assert phase_for(mode, True, True, False) is Phase.COUNT
     local = mode in ("sum", "token_mean_legacy")
-    waits = Phase.COUNT if mode == "group_mean" else Phase.DEFERRED
+    waits = Phase.COUNT if mode_of(mode).kept is None else Phase.DEFERRED
     assert phase_for(mode, True, False, False) is (Phase.LOCAL if local else waits)
     assert phase_for(mode, True, False, True) is (Phase.LOCAL if local else Phase.COUNT)
     # Weights over group ids (group_mean, trajectories): a factor per group, counted first.

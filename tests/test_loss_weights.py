@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lossfix import REDUCTIONS, loss_weights
+from megatron_lossfix.runtime.mode_record import Ids
 from megatron_lossfix.runtime.modes import mode_of
 
 pytestmark = pytest.mark.unit
@@ -30,17 +31,21 @@ def test_reductions_are_the_contract():
         "sum",
         "token_mean_legacy",
         "group_mean",
+        "pair_mean",
     )
 
 
 def _kwargs(mode: str, masks: list, norm_constant: float = 3.0) -> dict:
-    """What ``mode`` needs beside the masks: the constant, or group ids (row r of every
-    micro-batch in group r % 2)."""
+    """What ``mode`` needs beside the masks: the constant, group ids (row r of every
+    micro-batch in group r % 2) or pair ids (rows 2i and 2i + 1 of a micro-batch a pair)."""
     if mode_of(mode).uses_constant:
         return {"norm_constant": norm_constant}
-    if mode == "group_mean":
+    ids = mode_of(mode).ids
+    if ids is Ids.PROMPT_GROUPS:
         ids = [torch.arange(m.shape[0]) % 2 for m in masks]
         return {"group_ids": ids, "num_groups": 2}
+    if ids is Ids.PAIRS:
+        return {"pair_ids": [torch.arange(m.shape[0]) // 2 for m in masks]}
     return {}
 
 

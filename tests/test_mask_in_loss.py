@@ -185,7 +185,7 @@ def _kept_step(
 
     from megatron_lossfix import LossFixConfig, LossFixSchedule, slice_batch_for_cp, weighted_loss
     from megatron_lossfix.audit.oracle import make_global_batch, microbatch_plan
-    from megatron_lossfix.audit.oracle_case import id_ranges
+    from megatron_lossfix.audit.oracle_case import microbatch_ids
     from megatron_lossfix.audit.tiny_gpt import build_tiny_gpt, init_layout
     from megatron_lossfix.audit.training import train_step
     from megatron_lossfix.runtime.losses import weighted_sum
@@ -200,7 +200,7 @@ def _kept_step(
     sizes = microbatch_plan(case, dp, layout.num_microbatches)
     start = sum(sum(s) for s in sizes[:dp_rank])
     rows = torch.split(torch.arange(start, start + sum(sizes[dp_rank])), sizes[dp_rank])
-    mbs = [{**{k: v[i] for k, v in batch.items()}, **id_ranges(case)} for i in rows]
+    mbs = [{**{k: v[i] for k, v in batch.items()}, **microbatch_ids(case, len(i))} for i in rows]
     rank, cp_group = dist.get_rank(), ps.get_context_parallel_group()
 
     def forward_step(data_iterator, model):

@@ -184,9 +184,7 @@ def test_flag_help_and_audit_defaults_come_from_the_table():
     assert tuple(options_from_args(audit.parse_args([])).modes) == MODES
 
 
-@pytest.mark.parametrize(
-    "mode", [m.name for m in MODE_RECORDS if not m.stock and m.ids is not Ids.PROMPT_GROUPS]
-)
+@pytest.mark.parametrize("mode", [m.name for m in MODE_RECORDS if not m.stock and not m.ids.needed])
 def test_global_counts_say_when_rank_local_counts_differ(mode):
     """A mode's ``global_counts`` is empty exactly when each DP rank's own counts give the
     step's weights (what ``loss_weights`` relies on to skip the all-reduce): two ranks' halves

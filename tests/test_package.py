@@ -47,7 +47,8 @@ def test_loss_weights_signature_is_the_contract():
     # Beyond the contract: rank-local weights on several ranks only when asked for.
     # Keyword-only additions (the group modes' ids; rank-local weights on several ranks only when
     # asked for) keep every contract call working.
-    extra = ["group_ids", "num_groups", "trajectory_ids", "num_trajectories", "rank_local"]
+    extra = ["group_ids", "num_groups", "trajectory_ids", "num_trajectories", "pair_ids"]
+    extra.append("rank_local")
     assert list(params)[5:] == extra and params["rank_local"].default is False
 
 
@@ -209,7 +210,8 @@ def test_the_step_classes_old_address_still_imports_with_a_warning():
 
 #: Each framework's folder under ``integrations/`` and the module whose names it serves.
 SERVED = {"megatron_lm": "training", "bridge": "adapter", "verl": "adapter", "skyrl": "adapter",
-          "slime": "adapter", "areal": "adapter", "nemo_rl": "adapter"}  # fmt: skip
+          "slime": "adapter", "areal": "adapter", "roll": "adapter",
+          "ms_swift": "adapter", "nemo_rl": "adapter"}  # fmt: skip
 
 #: Run in a fresh interpreter, so that the folders' packages and their modules are imported here
 #: and nowhere before: the package's attribute is read first (the first read imports the module),

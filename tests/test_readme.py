@@ -195,6 +195,7 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
         names += [
             "slime/slime-624b824.tar.gz",
             "areal/areal-tests-4aef98d.tar.gz",
+            "roll/ROLL-8eb27cc.tar.gz",
             *(f"nemo-rl/{name}.tar.gz" for name in NEMO_RL_ARCHIVES),
         ]
     for name in names:
@@ -203,12 +204,13 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(
-        '#!/bin/sh\necho "python3 $* SLIME_SOURCE=${SLIME_SOURCE:-} AREAL_TESTS=${AREAL_TESTS:-}"'
-        "\nexit 3\n"
+        '#!/bin/sh\necho "python3 $* SLIME_SOURCE=${SLIME_SOURCE:-} AREAL_TESTS=${AREAL_TESTS:-}'
+        ' ROLL_SOURCE=${ROLL_SOURCE:-}"\nexit 3\n'
     )
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "CI": ci, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS", *NEMO_RL)}
+    gone = ("SLIME_SOURCE", "AREAL_TESTS", "ROLL_SOURCE", *NEMO_RL)
+    env = {k: v for k, v in env.items() if k not in gone}
     return subprocess.run(["bash", str(clone / ".ci" / "run")], env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
@@ -222,6 +224,7 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     missing = " ".join(
         ["SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz)",
          "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)",
+         "ROLL_SOURCE (../shared/roll/ROLL-8eb27cc.tar.gz)",
          *(f"{v} (../shared/nemo-rl/{a}.tar.gz)"
            for v, a in zip(NEMO_RL, NEMO_RL_ARCHIVES, strict=True))]
     )  # fmt: skip
@@ -236,6 +239,7 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     run = _ci_run(tmp_path / "with", ci, inputs=True)
     assert run.returncode == 3 and "missing" not in run.stderr, run
     assert "SLIME_SOURCE=/" in run.stdout and "slime-624b824.tar.gz AREAL_TESTS=/" in run.stdout
+    assert "areal-tests-4aef98d.tar.gz ROLL_SOURCE=/" in run.stdout and "ROLL-8eb27cc" in run.stdout
 
 
 @pytest.mark.unit

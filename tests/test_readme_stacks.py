@@ -54,7 +54,9 @@ def _nox_stack_pages() -> tuple[str, ...]:
 #: The stacks, as CI knows them: one page each.
 STACKS = tuple(doc_pages.install_line(page)[0] for page in _nox_stack_pages())
 #: Stacks on the package index, pinned by their extra (slime installs from its source).
-PINNED = ("verl", "skyrl")
+PINNED = ("verl", "skyrl", "ms-swift")
+#: The module a stack installs, where it is not the stack's name.
+MODULES = {"ms-swift": "swift", "nemo-rl": "nemo_rl"}
 BRIEF_LAYOUT = "dp2-m3"
 
 
@@ -182,7 +184,7 @@ def _brief(cmd: str) -> list[str]:
 @pytest.mark.parametrize("cmd", _stack_commands(), ids=lambda c: " ".join(c.split()[4:8]))
 def test_stack_audit_runs_as_printed(cmd, tmp_path):
     stack = re.search(r"--stack ([\w-]+)", cmd)[1]
-    if importlib.util.find_spec(stack.replace("-", "_")) is None:
+    if importlib.util.find_spec(MODULES.get(stack, stack)) is None:
         pytest.skip(f"{stack} is not installed (the pages' {_venv(stack)} has it)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

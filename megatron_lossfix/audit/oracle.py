@@ -22,6 +22,7 @@ from megatron_lossfix.audit.oracle_case import (
     OracleCase,
     id_ranges,
     make_global_batch,
+    microbatch_ids,
     microbatch_plan,
     prompt_groups,
     row_settings,
@@ -198,7 +199,9 @@ def _local_microbatches(
         mbs = [slice_batch_for_cp(mb, ps.get_context_parallel_group()) for mb in mbs]
     if case.packed:
         mbs = [_pack(mb) for mb in mbs]
-    return [{**mb, **id_ranges(case)} for mb in mbs]
+    return [
+        {**mb, **microbatch_ids(case, len(mb["group_ids"]), mb["group_ids"].device)} for mb in mbs
+    ]
 
 
 def layout_grads(
@@ -273,6 +276,8 @@ def reference_weights(case: OracleCase, mode: str, plan: Sequence[Sequence[int]]
         if record.ids is Ids.PROMPT_GROUPS:
             ids = prompt_groups(mask.shape[0])[0].to(mask.device)
             kwargs |= {"group_ids": [ids], "num_groups": ranges["num_groups"]}
+        elif record.ids is Ids.PAIRS:
+            kwargs |= {"pair_ids": [torch.arange(mask.shape[0], device=mask.device)]}
         elif case.trajectory_rows and record.ids is Ids.TRAJECTORIES:
             ids = torch.arange(mask.shape[0], device=mask.device) // case.trajectory_rows
             kwargs |= {"trajectory_ids": [ids], "num_trajectories": ranges["num_trajectories"]}

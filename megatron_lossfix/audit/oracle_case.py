@@ -19,6 +19,7 @@ __all__ = [
     "PROMPT_GROUP_SIZES",
     "OracleCase",
     "id_ranges",
+    "microbatch_ids",
     "make_global_batch",
     "microbatch_plan",
     "prompt_groups",
@@ -178,6 +179,14 @@ def id_ranges(case: OracleCase) -> dict[str, int]:
     if case.trajectory_rows:
         ranges["num_trajectories"] = -(-case.global_batch_size // case.trajectory_rows)
     return ranges
+
+
+def microbatch_ids(case: OracleCase, rows: int, device: torch.device | None = None) -> dict:
+    """What every micro-batch of ``rows`` sequences carries beside its slice of the batch's
+    ids: the step's id ranges (:func:`id_ranges`) and its ``pair_ids``, each sequence a pair of
+    its own (``pair_mean``; pairs of several sequences are the stacks' and
+    tests/test_pair_mode.py's)."""
+    return id_ranges(case) | {"pair_ids": torch.arange(rows, device=device)}
 
 
 def microbatch_plan(case: OracleCase, dp: int, num_microbatches: int) -> list[list[int]]:

@@ -93,6 +93,12 @@ class LossFixConfig:
     num_trajectories_key: str = "num_trajectories"
     """Key of the step's trajectory id range, like ``num_groups_key``."""
 
+    pair_ids_key: str = "pair_ids"
+    """Key of each sequence's pair (``pair_mean``): an integer tensor with one entry per row
+    (packed: per ``cu_seqlens`` sequence), in ``[0, the micro-batch's sequences)``; the sequences
+    of a micro-batch that share an id are one pair (a preference pair, a KTO example). Each
+    micro-batch's own ids: no range key."""
+
     data_is_cp_sharded: bool = False
     """True when the iterator yields this rank's context-parallel shard of each sequence; False
     (Megatron-LM's convention) when ``forward_step`` slices whole sequences with
@@ -129,6 +135,16 @@ class LossFixConfig:
     self_check_tolerance: float = 1e-5
     """The largest relative L2 gradient change the self-check accepts (about 1e-2 with bf16)."""
 
+    def ids_keys(self, kind: str) -> tuple[str, str | None]:
+        """The batch keys of the ids of ``kind`` (``prompt_groups.ids_for_mode``) and of their
+        range (None: pair ids, each micro-batch's own)."""
+        keys = {
+            "group": (self.group_ids_key, self.num_groups_key),
+            "trajectory": (self.trajectory_ids_key, self.num_trajectories_key),
+            "pair": (self.pair_ids_key, None),
+        }
+        return keys[kind]
+
     def __post_init__(self) -> None:
         # The one validation: the flags (``args.from_args``) come through here too.
         check_mode(self.reduction, self.norm_constant, MODES)
@@ -153,6 +169,7 @@ class LossFixConfig:
             "num_groups_key",
             "trajectory_ids_key",
             "num_trajectories_key",
+            "pair_ids_key",
         )
         for name in keys:
             value = getattr(self, name)

@@ -26,6 +26,7 @@ from megatron_lossfix.runtime.prompt_groups import (
     bad_id_values,
     ids_for_mode,
     missing_group_ids_message,
+    missing_pair_ids_message,
     parse_group_ids,
 )
 from megatron_lossfix.runtime.weights import (
@@ -93,6 +94,7 @@ def loss_weights(
     num_groups: int | None = None,
     trajectory_ids: Sequence[torch.Tensor] | None = None,
     num_trajectories: int | None = None,
+    pair_ids: Sequence[torch.Tensor] | None = None,
     rank_local: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token weights ``w`` for this rank's micro-batches: ``sum(w * loss)`` over the whole
@@ -108,7 +110,9 @@ def loss_weights(
     (the weights would silently be this rank's, not the step's). ``group_mean`` needs
     ``group_ids`` (per micro-batch, one integer id per row, global over the step, in ``[0,
     num_groups)``); the sequence modes take ``trajectory_ids`` and ``num_trajectories`` alike, to
-    count a trajectory split into several rows once. Raises ``ValueError`` for an unknown mode,
+    count a trajectory split into several rows once. ``pair_mean`` needs ``pair_ids`` (per
+    micro-batch, one integer per row in ``[0, its rows)``; the rows sharing one are a pair).
+    Raises ``ValueError`` for an unknown mode,
     a missing or bad ``norm_constant``, a malformed mask, missing or bad ids (on every rank of
     the groups when the ids are refused), ids a mode would ignore, or that refusal.
     """
@@ -125,7 +129,12 @@ def loss_weights(
     bad = bad_mask_values(masks)
     if bool(bad.any()):
         raise ValueError(bad_mask_message(int(bad.nonzero()[0, 0])))
-    groups = _group_ids(reduction, masks, group_ids, num_groups, trajectory_ids, num_trajectories)
+    given = {
+        "group": (group_ids, num_groups, "group_ids", "num_groups"),
+        "trajectory": (trajectory_ids, num_trajectories, "trajectory_ids", "num_trajectories"),
+        "pair": (pair_ids, None, "pair_ids", None),
+    }
+    groups = _group_ids(reduction, masks, given)
     if groups is not None:
         _agree_on_ids(groups, dp_group, cp_group)
     # Counts over the whole step where the mode reads any; else each rank's own masks.
@@ -140,32 +149,27 @@ def loss_weights(
 
 
 def _group_ids(
-    reduction: str,
-    masks: list[torch.Tensor],
-    group_ids: Sequence[torch.Tensor] | None,
-    num_groups: int | None,
-    trajectory_ids: Sequence[torch.Tensor] | None,
-    num_trajectories: int | None,
+    reduction: str, masks: list[torch.Tensor], given: dict[str, tuple]
 ) -> GroupIds | None:
-    """The ids ``reduction`` weights by, checked (no device sync); ids it would ignore refused."""
+    """The ids ``reduction`` weights by, checked (no device sync); ids it would ignore refused.
+    ``given``: per kind of ids, ``(ids, range, name, range's name or None)``."""
     wanted = ids_for_mode(reduction)
-    given = {
-        "group": (group_ids, num_groups, "group_ids", "num_groups"),
-        "trajectory": (trajectory_ids, num_trajectories, "trajectory_ids", "num_trajectories"),
-    }
     for kind, (ids, count, name, count_name) in given.items():
         if kind != wanted and (ids is not None or count is not None):
             users = ", ".join(modes_reading(Ids(kind)))
+            said = name if count_name is None else f"{name}/{count_name}"
             raise ValueError(
-                f"{name}/{count_name} apply only to {users}, not {reduction}; drop them or "
-                "change the reduction"
+                f"{said} apply only to {users}, not {reduction}; drop them or change the reduction"
             )
     if wanted is None:
         return None
     ids, count, name, count_name = given[wanted]
     rows = [m.shape[0] for m in masks]
-    missing = missing_group_ids_message()
-    return parse_group_ids(wanted, ids, count, masks, rows, (name, count_name), missing)
+    if count_name is None:
+        missing = missing_pair_ids_message()
+    else:
+        missing = missing_group_ids_message()
+    return parse_group_ids(wanted, ids, count, masks, rows, (name, str(count_name)), missing)
 
 
 def _agree_on_ids(
@@ -175,11 +179,12 @@ def _agree_on_ids(
     ``[1, count, count**2, bad]`` (the ranges agree exactly when ``sum(c)**2 == n * sum(c**2)``)
     before the counts' all-reduces, whose size is the range."""
     bad = bad_id_values(groups)
+    count = 0.0 if groups.ranges is not None else float(groups.count)  # pair ids: no range
     vec = torch.stack(
         [
             torch.ones((), dtype=torch.float64),
-            torch.tensor(float(groups.count), dtype=torch.float64),
-            torch.tensor(float(groups.count) ** 2, dtype=torch.float64),
+            torch.tensor(count, dtype=torch.float64),
+            torch.tensor(count**2, dtype=torch.float64),
         ]
     ).to(bad.device)
     vec = torch.cat([vec, bad.any().double()[None]])

@@ -50,7 +50,7 @@ from megatron_lossfix.runtime.mode_record import Count, KeptPart
 from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import group_size
 from megatron_lossfix.runtime.prompt_groups import GroupIds, group_tokens
-from megatron_lossfix.runtime.weights import StepCounts, weights_from_counts
+from megatron_lossfix.runtime.weights import StepCounts, local_pairs, weights_from_counts
 
 __all__ = ["KeptCounts", "KeptStep", "Phase", "kept_weights", "weighted_stats"]
 
@@ -387,13 +387,18 @@ class KeptStep:
             c.to(device) if c is not None else torch.zeros(r, dtype=_COUNT_DTYPE, device=device)
             for c, r in zip(self.seq_kept, self.rows, strict=True)
         ]
-        per_group = None
+        per_group = num_pairs = None
         if self.group_ids is not None:
-            # One all-reduce of the kept tokens per group; CP ranks hold whole sequences.
-            per_group = group_tokens(seq, self.group_ids)
+            # One all-reduce of the kept tokens per group (pair ids: of the pairs with a kept
+            # token); CP ranks hold whole sequences.
+            pairs = self.group_ids.ranges is not None
+            ids = self.group_ids.ids
+            per_group = local_pairs(seq, ids)[None] if pairs else group_tokens(seq, self.group_ids)
             if group_size(self.dp_cp_group) > 1:
                 dist.all_reduce(per_group, group=self.dp_cp_group)
             per_group = per_group / float(self.cp_size)
+            if pairs:
+                per_group, num_pairs = None, per_group[0]
         return StepCounts(
             num_tokens=num_tokens,
             num_sequences=num_sequences,
@@ -402,6 +407,7 @@ class KeptStep:
             dp_size=self.dp_size,
             group_tokens=per_group,
             group_ids=None if self.group_ids is None else list(self.group_ids.ids),
+            num_pairs=num_pairs,
         )
 
 

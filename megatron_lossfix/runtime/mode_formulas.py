@@ -4,7 +4,8 @@ factors when the loss decides its masks that the records of
 
 Pure torch, no Megatron. Notation: N loss tokens of the step, S sequences with a loss token,
 n_s the tokens of sequence s, n_k of micro-batch k, M micro-batches per rank, D the
-data-parallel size, G groups with a loss token, n_g the tokens of group g, C the constant.
+data-parallel size, G groups with a loss token, n_g the tokens of group g, P pairs with a loss
+token, n_p the tokens of pair p, C the constant.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ __all__ = [
     "kept_one",
     "kept_sequence",
     "legacy_weights",
+    "pair_mean_weights",
+    "pair_tokens",
     "sequence_weights",
     "sum_weights",
     "token_mean_weights",
@@ -141,6 +144,28 @@ def group_constant_weights(
     _, num_groups = _num_groups(counts)
     inv = (one / (num_groups * float(c))).float()
     return _times(masks, segs, inv)
+
+
+def pair_tokens(seq_tokens: torch.Tensor, pair_ids: torch.Tensor) -> torch.Tensor:
+    """n_p of each pair id of one micro-batch (``[len(pair_ids)]``, ids being local to it and
+    below its number of sequences), from its sequences' counts (all CP shards)."""
+    out = torch.zeros(pair_ids.numel(), dtype=seq_tokens.dtype, device=seq_tokens.device)
+    return out.index_add_(0, pair_ids.to(device=seq_tokens.device, dtype=torch.long), seq_tokens)
+
+
+def pair_mean_weights(masks: Masks, counts: CountsView, c: float | None, segs: Segments) -> Weights:
+    """``m / (P * n_p)``: every pair equal, a token mean inside it. A pair is the sequences of
+    one micro-batch that share a pair id; its tokens' weights add up to ``1 / P``."""
+    one = torch.ones((), dtype=_COUNT_DTYPE, device=counts.num_tokens.device)
+    pairs = counts.num_pairs.to(counts.num_tokens.device).clamp(min=1)
+    out = []
+    for k, m in enumerate(masks):
+        ids = counts.group_ids[k].to(device=counts.seq_tokens[k].device, dtype=torch.long)
+        n_pair = pair_tokens(counts.seq_tokens[k], ids).to(one.device)
+        inv_seq = (one / (n_pair.clamp(min=1) * pairs))[ids.to(one.device)].float().to(m.device)
+        seg = None if segs is None else segs[k]
+        out.append(m * (inv_seq[:, None] if seg is None else inv_seq[seg]))
+    return out
 
 
 # ---------------------------------------------------------------------- kept factors

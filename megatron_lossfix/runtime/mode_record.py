@@ -44,6 +44,7 @@ class Count(enum.Enum):
     N = "loss tokens"
     S = "sequences with a loss token"
     GROUPS = "loss tokens of each group (prompt or trajectory), and G"
+    PAIRS = "pairs (units of sequences sharing a pair id in a micro-batch) with a loss token"
 
 
 class Ids(enum.Enum):
@@ -56,6 +57,27 @@ class Ids(enum.Enum):
     TRAJECTORIES = "trajectory"
     """Each sequence's trajectory, where given (``trajectory_ids``, ``num_trajectories``): a
     trajectory split into several rows counts once."""
+    PAIRS = "pair"
+    """Each sequence's pair in its micro-batch: needed (``pair_ids``, local to the micro-batch,
+    in ``[0, its sequences)``; no range): a preference pair, a KTO example, a reward pair."""
+
+    @property
+    def needed(self) -> bool:
+        """Whether the mode cannot weigh without them (a sequence mode's trajectories are
+        optional)."""
+        return self in (Ids.PROMPT_GROUPS, Ids.PAIRS)
+
+    @property
+    def whole_units(self) -> bool:
+        """Whether the sequences sharing an id are one unit that must stay in one micro-batch
+        (a pair): the self-check then never moves rows and halves by whole units."""
+        return self is Ids.PAIRS
+
+    @property
+    def step_wide(self) -> bool:
+        """Whether the ids are global over the step, in a range every rank gives alike (counted
+        per id over DP x CP); else each micro-batch's own (pairs, counted where they lie)."""
+        return self in (Ids.PROMPT_GROUPS, Ids.TRAJECTORIES)
 
 
 class CountsView(Protocol):
@@ -68,6 +90,7 @@ class CountsView(Protocol):
     dp_size: int
     group_tokens: torch.Tensor | None
     group_ids: list[torch.Tensor] | None
+    num_pairs: torch.Tensor | None
 
 
 Masks = Sequence[torch.Tensor]
@@ -195,17 +218,19 @@ def _record_problem(mode: Mode) -> str | None:
         if any(fields) or mode.ids is not Ids.NONE or not mode.split_dependent:
             return "the stock mode weighs nothing: no counts, ids, weights, constant"
         return None
-    if (mode.weights is None) != (mode.ids is Ids.PROMPT_GROUPS):
-        return "weights without ids, exactly unless the ids are needed (PROMPT_GROUPS)"
+    if (mode.weights is None) != mode.ids.needed:
+        return "weights without ids, exactly unless the ids are needed (PROMPT_GROUPS, PAIRS)"
     if (mode.group_weights is None) != (mode.ids is Ids.NONE):
         return "group_weights exactly when the mode reads ids"
     if (Count.GROUPS in mode.global_counts) != (mode.ids is Ids.PROMPT_GROUPS):
-        return "Count.GROUPS among global_counts exactly when the ids are needed"
-    if mode.kept is None and mode.ids is not Ids.PROMPT_GROUPS:
+        return "Count.GROUPS among global_counts exactly when the prompt groups are needed"
+    if (Count.PAIRS in mode.global_counts) != (mode.ids is Ids.PAIRS):
+        return "Count.PAIRS among global_counts exactly when the mode reads pair ids"
+    if mode.kept is None and not mode.ids.needed:
         return "kept factors are needed (only a mode that needs its ids counts them first)"
     if mode.kept is not None:
         divides_by = mode.kept.divides_by
-        if divides_by is not None and divides_by not in mode.global_counts - {Count.GROUPS}:
+        if divides_by is not None and divides_by not in mode.global_counts & {Count.N, Count.S}:
             return f"kept.divides_by {divides_by} must be one of global_counts (N or S)"
     if mode.megatron_per_token and mode.global_counts != {Count.N}:
         return "megatron_per_token: Megatron's per-token path divides by N alone"

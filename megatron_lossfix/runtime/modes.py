@@ -24,6 +24,7 @@ from megatron_lossfix.runtime.mode_formulas import (
     kept_one,
     kept_sequence,
     legacy_weights,
+    pair_mean_weights,
     sequence_weights,
     sum_weights,
     token_mean_weights,
@@ -134,6 +135,20 @@ MODE_RECORDS: tuple[Mode, ...] = (
         megatron_per_token=False,
         weights=None,
         group_weights=group_mean_weights,
+        kept=None,
+    ),
+    Mode(
+        name="pair_mean",
+        formula="m / (P · n_p)",
+        help="every preference pair (or KTO example, reward pair) equal, token mean inside it; "
+        "needs pair_ids in the micro-batches",
+        global_counts=frozenset({Count.PAIRS}),
+        ids=Ids.PAIRS,
+        constant=None,
+        split_dependent=False,
+        megatron_per_token=False,
+        weights=None,
+        group_weights=pair_mean_weights,
         kept=None,
     ),
     Mode(

@@ -1,13 +1,14 @@
-"""Group ids: which prompt group (``group_mean``) or trajectory (the sequence modes) each
-sequence belongs to, checked and counted (pure torch, docs/design.md §2).
+"""Group ids: which prompt group (``group_mean``), trajectory (the sequence modes) or pair
+(``pair_mean``) each sequence belongs to, checked and counted (pure torch, docs/design.md §2).
 
 A step's sequences may carry an integer id, global over the step, in ``[0, count)``: one per
 row of a micro-batch, or per packed sequence (``cu_seqlens``). The counts then hold each
 group's loss tokens, summed over every micro-batch and every DP and CP rank
 (``reduction.count_tokens``); a group without a loss token neither contributes nor counts.
-Ids are checked in two parts: their structure on the host (:func:`check_ids`, no device sync)
-and their range on the device (:func:`bad_id_values`, read with the step's agreement), before
-any count indexes with them.
+Pair ids are each micro-batch's own instead (a pair never spans micro-batches): in ``[0, its
+sequences)``, with no range to give. Ids are checked in two parts: their structure on the host
+(:func:`check_ids`, no device sync) and their range on the device (:func:`bad_id_values`, read
+with the step's agreement), before any count indexes with them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "id_count",
     "ids_for_mode",
     "missing_group_ids_message",
+    "missing_pair_ids_message",
     "parse_group_ids",
 ]
 
@@ -49,12 +51,15 @@ class GroupIds:
     """The ids' range: every id is in ``[0, count)``."""
     name: str = "group_ids"
     """What the ids are called where the user gave them (for messages)."""
+    ranges: tuple[int, ...] | None = None
+    """Ids local to each micro-batch (pairs): micro-batch ``k``'s ids are in ``[0,
+    ranges[k])``, its number of sequences; None: global ids, in ``[0, count)``."""
 
 
 def ids_for_mode(reduction: str) -> str | None:
-    """Which ids ``reduction`` weights by: ``"group"`` (needed), ``"trajectory"`` (optional)
-    or None (the record's :class:`~megatron_lossfix.runtime.mode_record.Ids`); ``ValueError`` for an
-    unknown name."""
+    """Which ids ``reduction`` weights by: ``"group"`` or ``"pair"`` (needed),
+    ``"trajectory"`` (optional) or None (the record's
+    :class:`~megatron_lossfix.runtime.mode_record.Ids`); ``ValueError`` for an unknown name."""
     return mode_of(reduction).ids.value
 
 
@@ -105,34 +110,64 @@ def parse_group_ids(
     names: tuple[str, str],
     missing: str,
 ) -> GroupIds | None:
-    """The ids of ``kind`` (``"group"``, needed; ``"trajectory"``, optional) as given by the
-    user, their structure checked without a device sync, each moved to its mask's device.
+    """The ids of ``kind`` (``"group"`` or ``"pair"``, needed; ``"trajectory"``, optional) as
+    given by the user, their structure checked without a device sync, each moved to its mask's
+    device.
 
     ``ids``: one integer tensor per micro-batch with ``rows[k]`` entries, or None (not given);
-    ``count``: their range (see :func:`id_count`; None with absent ids); ``names``: what the
-    ids and their range are called where the user gave them; ``missing``: the message for
-    absent group ids. None where trajectory ids are absent; ``ValueError`` in one line."""
+    ``count``: their range (see :func:`id_count`; None with absent ids, and for pair ids, which
+    are each micro-batch's own: its rows are their range); ``names``: what the ids and their
+    range are called where the user gave them; ``missing``: the message for absent needed ids.
+    None where trajectory ids are absent; ``ValueError`` in one line."""
     name, count_name = names
+    record = Ids(kind)
     if ids is None:
-        if kind == "group":
+        if record.needed:
             raise ValueError(missing)
         if count is not None:
             raise ValueError(f"{count_name} needs {name}")
         return None
+    if not record.step_wide:
+        if count is not None:
+            raise ValueError(f"{name} are each micro-batch's own: drop {count_name}")
+        check_ids(ids, max(rows, default=1) or 1, rows, name, count_name)
+        moved = [i.to(device=m.device, dtype=torch.long) for i, m in zip(ids, masks, strict=True)]
+        return GroupIds(ids=moved, count=max(rows, default=1) or 1, name=name, ranges=tuple(rows))
     count = check_ids(ids, count, rows, name, count_name)
     moved = [i.to(device=m.device, dtype=torch.long) for i, m in zip(ids, masks, strict=True)]
     return GroupIds(ids=moved, count=count, name=name)
 
 
 def bad_id_values(groups: GroupIds) -> torch.Tensor:
-    """Per micro-batch, on the device: does an id fall outside ``[0, groups.count)``?"""
-    return torch.stack([((ids < 0) | (ids >= groups.count)).any() for ids in groups.ids])
+    """Per micro-batch, on the device: does an id fall outside ``[0, groups.count)`` (pair ids:
+    ``[0, groups.ranges[k])``)? A packed micro-batch's id of its tail (after the last boundary,
+    appended by the step) is not checked."""
+    bad = []
+    for k, ids in enumerate(groups.ids):
+        top = groups.count if groups.ranges is None else groups.ranges[k]
+        own = ids if groups.ranges is None else ids[:top]
+        bad.append(((own < 0) | (own >= top)).any())
+    return torch.stack(bad)
 
 
 def bad_id_message(groups: GroupIds, k: int) -> str:
+    if groups.ranges is not None:
+        return (
+            f"{groups.name} of micro-batch {k} must lie in [0, {groups.ranges[k]}) (its number "
+            "of sequences: pair ids are each micro-batch's own); found a negative or larger id"
+        )
     return (
         f"{groups.name} of micro-batch {k} must lie in [0, {groups.count}) (the step's id "
         "range); found a negative or out-of-range id"
+    )
+
+
+def missing_pair_ids_message(ids_key: str = "pair_ids") -> str:
+    modes = quoted_with_aliases(modes_reading(Ids.PAIRS))
+    return (
+        f"reduction {modes} needs each sequence's pair: put {ids_key!r} (one integer per "
+        "sequence, in [0, the micro-batch's sequences); a pair's sequences share one) into "
+        "every micro-batch (loss_weights: pair_ids=)"
     )
 
 

@@ -10,6 +10,8 @@ world. Counts stay on the device, in float64 (float32 is exact only up to 2**24 
 Group counts (:class:`~megatron_lossfix.runtime.prompt_groups.GroupIds`): where sequences carry a
 group id global over the step (a prompt group for ``group_mean``, a trajectory for the sequence
 modes), loss tokens are also counted per group, over every micro-batch and every DP and CP rank.
+Where they carry a pair id, each micro-batch's own (``pair_mean``), the pairs with a loss token
+are counted beside N and S (P).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch.distributed as dist
 
 # LossFixConfig and the mode names lived here before: importing them from here keeps working.
 from megatron_lossfix.runtime.config import LossFixConfig, check_mode
+from megatron_lossfix.runtime.mode_formulas import pair_tokens
+from megatron_lossfix.runtime.mode_record import Ids
 from megatron_lossfix.runtime.modes import (
     ALIASES,
     MODES,
@@ -30,7 +34,12 @@ from megatron_lossfix.runtime.modes import (
     mode_of,
 )
 from megatron_lossfix.runtime.process_groups import group_size
-from megatron_lossfix.runtime.prompt_groups import GroupIds, group_tokens, missing_group_ids_message
+from megatron_lossfix.runtime.prompt_groups import (
+    GroupIds,
+    group_tokens,
+    missing_group_ids_message,
+    missing_pair_ids_message,
+)
 
 __all__ = [
     "ALIASES",
@@ -45,6 +54,7 @@ __all__ = [
     "check_mode",
     "count_tokens",
     "float_masks",
+    "local_pairs",
     "segment_ids",
     "shifted_masks",
     "weights_from_counts",
@@ -71,7 +81,11 @@ class StepCounts:
     """With group ids: the loss tokens of each group (prompt or trajectory), ``[count]``
     (global once reduced over DP x CP, like N)."""
     group_ids: list[torch.Tensor] | None = None
-    """With group ids: the group of each local sequence, one vector per micro-batch."""
+    """With group ids: the group of each local sequence, one vector per micro-batch (pair ids:
+    its pair in the micro-batch)."""
+    num_pairs: torch.Tensor | None = None
+    """With pair ids: P, the pairs with a loss token in the whole mini-batch (0-dim; global
+    once reduced over DP, like N)."""
 
 
 def float_masks(loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,7 +169,8 @@ def count_tokens(
                 seq_local.append(counts.index_add_(0, seg.reshape(-1), mask.reshape(-1).double()))
         flat = torch.cat(seq_local)
     # The groups' counts come from the local shards: summed over CP with n_s, over DP with N.
-    per_key = None if groups is None else group_tokens(seq_local, groups)
+    pairs = groups is not None and groups.ranges is not None
+    per_key = None if groups is None or pairs else group_tokens(seq_local, groups)
     num_seq = flat.numel()
     if group_size(cp_group) > 1:
         both = flat if per_key is None else torch.cat([flat, per_key])
@@ -164,6 +179,8 @@ def count_tokens(
     seq_tokens = list(torch.split(flat, [c.numel() for c in seq_local]))
     # Every CP rank now holds the same n_s: N and S are summed over DP only.
     totals = torch.stack([flat.sum(), (flat > 0).sum(dtype=_COUNT_DTYPE)])
+    if pairs:  # P from the whole sequences' counts: each pair lies in one micro-batch
+        totals = torch.cat([totals, local_pairs(seq_tokens, groups.ids)[None]])
     if per_key is not None:
         totals = torch.cat([totals, per_key])
     if global_counts and group_size(dp_group) > 1:
@@ -181,7 +198,20 @@ def count_tokens(
         dp_size=group_size(dp_group),
         group_tokens=None if per_key is None else totals[2:],
         group_ids=None if groups is None else list(groups.ids),
+        num_pairs=totals[2] if pairs else None,
     )
+
+
+def local_pairs(
+    seq_tokens: Sequence[torch.Tensor], pair_ids: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """The pairs with a loss token among one rank's micro-batches (0-dim float64), from each
+    sequence's loss tokens over all CP shards and its pair id in its micro-batch."""
+    held = [
+        (pair_tokens(n, ids) > 0).sum(dtype=_COUNT_DTYPE)
+        for n, ids in zip(seq_tokens, pair_ids, strict=True)
+    ]
+    return torch.stack(held).sum()
 
 
 def _rows_at_once(
@@ -213,10 +243,11 @@ def weights_from_counts(
     mode = mode_of(reduction)
     if mode.stock:
         raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
-    if counts.group_tokens is not None and mode.group_weights is not None:
+    if counts.group_ids is not None and mode.group_weights is not None:
         return mode.group_weights(masks, counts, norm_constant, segment_ids)
     if mode.weights is None:  # a mode that needs its ids, and the step has none
-        raise ValueError(missing_group_ids_message())
+        missing = missing_pair_ids_message if mode.ids is Ids.PAIRS else missing_group_ids_message
+        raise ValueError(missing())
     return mode.weights(masks, counts, norm_constant, segment_ids)
 
 

@@ -1,8 +1,9 @@
 """The step's agreement before Megatron's schedule, with the step's counts riding in it.
 
 Every rank of the step agrees that it can run (:mod:`megatron_lossfix.step.agreement`); the same
-all-reduce carries the loss stage's token and sequence counts ``[N, S]`` (of the masks, then of
-each MTP layer's shifted masks) and, for the modes over group ids, the ids' range. What it
+all-reduce carries the loss stage's token, sequence and pair counts ``[N, S, P]`` (of the masks,
+then of each MTP layer's shifted masks; P is 0 but for ``pair_mean``) and, for the modes over
+global group ids, the ids' range. What it
 returns is the step's global counts, each MTP layer's, and whether the weights are over group
 ids; nothing is posted anywhere.
 """
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import megatron_lossfix.runtime.prompt_groups as prompt_groups
 from megatron_lossfix.runtime.config import LossFixConfig
+from megatron_lossfix.runtime.mode_record import Ids
 from megatron_lossfix.runtime.process_groups import StepGroups, same_on_every_rank
 from megatron_lossfix.runtime.prompt_groups import GroupIds
 from megatron_lossfix.runtime.weights import (
@@ -23,6 +25,7 @@ from megatron_lossfix.runtime.weights import (
     any_bad_mask_value,
     bad_mask_message,
     bad_mask_values,
+    local_pairs,
 )
 from megatron_lossfix.step.agreement import (
     REFUSAL_PREFIX,
@@ -60,7 +63,7 @@ def agree_counts(
     """Count the step's tokens and agree, on every rank of the step, that it can run; raises
     on every rank of a refused step (``problem``: this rank's, found before).
 
-    The counts ``[N, S]`` of the masks, then of each MTP layer's shifted masks, ride in
+    The counts ``[N, S, P]`` of the masks, then of each MTP layer's shifted masks, ride in
     the agreement, summed over DP x CP (CP ranks hold the same whole sequences: the sums
     are divided by the CP size). CP-sharded masks need their per-sequence counts summed
     over CP first, an all-reduce of a size only the ranks that could read their data know:
@@ -72,8 +75,9 @@ def agree_counts(
     # ids: every rank must bring the same (or none, a sequence mode without trajectory ids).
     # Every mode sends them (zeros where unused), so that ranks disagreeing on the mode still
     # all-reduce records of one size and hear of it in the verdict.
-    by_ids = prompt_groups.ids_for_mode(config.reduction) is not None
-    num_counts = 2 * len(mask_sets) + 2
+    kind = prompt_groups.ids_for_mode(config.reduction)
+    ranged = kind is not None and Ids(kind).step_wide  # pair ids have no range to agree on
+    num_counts = _PER_SET * len(mask_sets) + 2
     mine = Agreement.of_rank(settings, problem, num_counts=num_counts)
     sharded_cp = config.data_is_cp_sharded and groups.cp_size > 1
     checks: dict[str, torch.Tensor] = {}
@@ -84,21 +88,22 @@ def agree_counts(
             mine.report(Problem.MASK_VALUES, checks["masks"])
         if not sharded_cp:
             local = [data.counts(masks, global_counts=False) for masks in mask_sets]
-            totals = [n for c in local for n in (c.num_tokens, c.num_sequences)]
-            mine.counts[: 2 * len(mask_sets)].copy_(torch.stack(totals))
+            totals = [n for c in local for n in _set_counts(c, data.group_ids)]
+            mine.counts[: _PER_SET * len(mask_sets)].copy_(torch.stack(totals))
         if data.group_ids is not None:
             checks.update(_check_ids(data, local))
             mine.report(Problem.GROUP_IDS, checks["ids"].any() | checks["tails"].any())
-            count = float(data.group_ids.count)  # filled on the device: no copy from the host
-            mine.counts[-2], mine.counts[-1] = count, count * count
+            if ranged:  # filled on the device: no copy from the host
+                count = float(data.group_ids.count)
+                mine.counts[-2], mine.counts[-1] = count, count * count
 
     def late() -> StepRefused | None:  # asked only when the step is refused
         return _late_problem(checks, data)
 
     agreed = agree(mine, groups)
     sums = agreed.verdict(groups.pp_size, problem, settings, late=late)
-    grouped = False
-    if by_ids:
+    grouped = kind is not None and Ids(kind).needed  # else: whether trajectory ids came
+    if ranged:
         _agree_on_id_range(sums[-2:], groups, data.group_ids)
         grouped = sums[-2] > 0
     if not groups.is_last_stage:
@@ -108,19 +113,33 @@ def agree_counts(
         counts = data.counts(data.masks, dp_group=groups.dp, cp_group=groups.cp, groups=ids)
         return AgreedCounts(counts, [], grouped)
     totals = agreed.counts.to(data.masks[0].device) / float(groups.cp_size)
-    per_group = _group_tokens(local, ids, groups)
+    pairs = ids is not None and ids.ranges is not None
+    per_group = _group_tokens(local, None if pairs else ids, groups)
     counts = [
         dataclasses.replace(
             c,
-            num_tokens=totals[2 * j],
-            num_sequences=totals[2 * j + 1],
+            num_tokens=totals[_PER_SET * j],
+            num_sequences=totals[_PER_SET * j + 1],
+            num_pairs=totals[_PER_SET * j + 2] if pairs else None,
             dp_size=groups.dp_size,
-            group_tokens=None if ids is None else per_group[j],
+            group_tokens=per_group[j],
             group_ids=None if ids is None else ids.ids,
         )
         for j, c in enumerate(local)
     ]
     return AgreedCounts(counts[0], counts[1:], grouped)
+
+
+#: Counts per mask set in the agreement: N, S and P (pairs; 0 in the other modes).
+_PER_SET = 3
+
+
+def _set_counts(counts: StepCounts, ids: GroupIds | None) -> tuple[torch.Tensor, ...]:
+    """``(N, S, P)`` of one mask set on this rank (P: its pairs with a loss token, 0 without
+    pair ids)."""
+    if ids is None or ids.ranges is None:
+        return counts.num_tokens, counts.num_sequences, torch.zeros_like(counts.num_tokens)
+    return counts.num_tokens, counts.num_sequences, local_pairs(counts.seq_tokens, ids.ids)
 
 
 def _check_ids(data: StepData, local: list[StepCounts]) -> dict[str, torch.Tensor]:

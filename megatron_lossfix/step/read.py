@@ -9,6 +9,7 @@ plugin cannot serve are refused at once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -113,17 +114,15 @@ def _group_ids(
     kind = prompt_groups.ids_for_mode(config.reduction)
     if kind is None:
         return None
-    if kind == "group":
-        ids_key, count_key = config.group_ids_key, config.num_groups_key
-    else:
-        ids_key, count_key = config.trajectory_ids_key, config.num_trajectories_key
+    ids_key, count_key = config.ids_keys(kind)
     missing = [k for k, b in enumerate(batches) if ids_key not in b]
     if missing and len(missing) < len(batches):
         raise ValueError(f"micro-batch {missing[0]} has no {ids_key!r}, other micro-batches do")
     ids = counts = None
     if not missing:
-        counts = [prompt_groups.id_count(b.get(count_key), f"{count_key!r}") for b in batches]
-        if len(set(counts)) > 1:
+        if count_key is not None:
+            counts = [prompt_groups.id_count(b.get(count_key), f"{count_key!r}") for b in batches]
+        if counts is not None and len(set(counts)) > 1:
             k = counts.index(next(c for c in counts if c != counts[0]))
             raise ValueError(
                 f"{count_key!r} is the step's id range, the same in every micro-batch: "
@@ -134,7 +133,10 @@ def _group_ids(
         m.shape[0] if num is None else num - 1 for m, (_, num) in zip(masks, segments, strict=True)
     ]
     names = (repr(ids_key), repr(count_key))
-    missing_message = prompt_groups.missing_group_ids_message(ids_key, count_key)
+    if count_key is None:
+        missing_message = prompt_groups.missing_pair_ids_message(ids_key)
+    else:
+        missing_message = prompt_groups.missing_group_ids_message(ids_key, count_key)
     parsed = prompt_groups.parse_group_ids(
         kind, ids, None if counts is None else counts[0], masks, rows, names, missing_message
     )
@@ -146,7 +148,7 @@ def _group_ids(
         i if seg is None else torch.cat([i, i.new_zeros(1)])
         for i, (seg, _) in zip(parsed.ids, segments, strict=True)
     ]
-    return GroupIds(ids=padded, count=parsed.count, name=parsed.name)
+    return dataclasses.replace(parsed, ids=padded)
 
 
 def _read_batches(source: Any, num_microbatches: int) -> list:

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 from megatron_lossfix.audit.oracle import OracleCase, make_global_batch
-from megatron_lossfix.audit.oracle_case import id_ranges
+from megatron_lossfix.audit.oracle_case import microbatch_ids
 from megatron_lossfix.audit.tiny_gpt import Layout, build_tiny_gpt, init_layout
 from megatron_lossfix.runtime.config import LossFixConfig
 from megatron_lossfix.runtime.losses import weighted_loss
@@ -161,7 +161,7 @@ def _refusal_step(
     start = dp_rank * per_rank
     mbs = [
         {key: t[start + k * size : start + (k + 1) * size] for key, t in batch.items()}
-        | id_ranges(oracle)
+        | microbatch_ids(oracle, size)
         for k in range(m)
     ]
     iterator = _broken_iterator(case, mbs) if rank == bad_rank else iter(mbs)

@@ -37,6 +37,12 @@ def _areal() -> ModuleType:
     return areal
 
 
+def _ms_swift() -> ModuleType:
+    from megatron_lossfix.audit.stacks.ms_swift import stack as ms_swift
+
+    return ms_swift
+
+
 def _verl() -> ModuleType:
     from megatron_lossfix.audit.stacks.verl import stack as verl
 
@@ -55,6 +61,12 @@ def _slime() -> ModuleType:
     return slime
 
 
+def _roll() -> ModuleType:
+    from megatron_lossfix.audit.stacks.roll import stack as roll
+
+    return roll
+
+
 def _skyrl() -> ModuleType:
     from megatron_lossfix.audit.stacks.skyrl import stack as skyrl
 
@@ -64,6 +76,8 @@ def _skyrl() -> ModuleType:
 #: Stack name -> a function returning the module that runs it.
 STACKS: dict[str, Callable[[], ModuleType]] = {
     "areal": _areal,
+    "roll": _roll,
+    "ms-swift": _ms_swift,
     "nemo-rl": _nemo_rl,
     "skyrl": _skyrl,
     "slime": _slime,

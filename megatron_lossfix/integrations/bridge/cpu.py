@@ -15,7 +15,7 @@ import torch
 
 from megatron_lossfix.harness.cpu_megatron import enable_cpu_megatron, with_one_device
 
-__all__ = ["enable_cpu_bridge"]
+__all__ = ["TEUnavailable", "enable_cpu_bridge", "te_stand_in"]
 
 _BRIDGE_ENABLED = False
 
@@ -41,21 +41,23 @@ def _hide_old_nvrx_checkpointing() -> None:
         sys.modules.setdefault("nvidia_resiliency_ext.checkpointing", None)
 
 
-class _Unavailable:
+class TEUnavailable:
     """Stands for a Transformer Engine class: never an instance of anything, never built."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("Transformer Engine is not installed (CPU run)")
 
 
-def _te_stub() -> Any:
+def te_stand_in() -> Any:
+    """A stand-in of the ``transformer_engine`` package (with ``.pytorch``): any lower-case
+    attribute is a stand-in module, any other a :class:`TEUnavailable` class."""
     import types
 
     class _Namespace(types.ModuleType):
         def __getattr__(self, name: str) -> Any:
             if name.startswith("__"):
                 raise AttributeError(name)
-            value = _Namespace(f"{self.__name__}.{name}") if name.islower() else _Unavailable
+            value = _Namespace(f"{self.__name__}.{name}") if name.islower() else TEUnavailable
             setattr(self, name, value)
             return value
 
@@ -104,7 +106,7 @@ class _StubbedTELoader:
             "megatron.bridge.peft.lora_merge",
         ):
             importlib.import_module(name)
-        stub = _te_stub()
+        stub = te_stand_in()
         names = ("transformer_engine", "transformer_engine.pytorch")
         saved = {name: sys.modules.get(name) for name in names}
         sys.modules["transformer_engine"] = stub

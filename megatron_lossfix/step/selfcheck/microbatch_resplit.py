@@ -43,6 +43,7 @@ def loss_token_half(
     cu_seqlens_key: str | None = "cu_seqlens",
     id_keys: Sequence[str] = (),
     only: range | None = None,
+    unit_key: str | None = None,
 ) -> Callable[[list, list[torch.Tensor]], tuple[list, list[torch.Tensor]]]:
     """The micro-batches and weights of run ``which`` (0 or 1) over halves of the loss tokens
     (``Step.halves``). The two runs' weights add up to the step's; each micro-batch's loss mask
@@ -61,11 +62,14 @@ def loss_token_half(
       unchanged, a division of the weighted sum by the mask's count is halved.
 
     A micro-batch without a mask of the weights' shape has its weights halved only. ``only``:
-    the micro-batches to halve (by index), the others left whole; None: every one."""
+    the micro-batches to halve (by index), the others left whole; None: every one.
+    ``unit_key``: each sequence's unit (a pair, ``pair_mean``), whose loss is not a sum over
+    its tokens: whole units are kept, every other one; a micro-batch of one unit has its
+    weights halved only (its mask and sequences untouched, for a loss nonlinear in them)."""
 
     def halves(batches: list, weights: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
         out = [
-            _half(b, w, which, mask_key, cu_seqlens_key, id_keys)
+            _half(b, w, which, mask_key, cu_seqlens_key, id_keys, unit_key)
             if only is None or k in only
             else (b, w)
             for k, (b, w) in enumerate(zip(batches, weights, strict=True))
@@ -82,6 +86,7 @@ def _half(
     mask_key: str | None,
     cu_key: str | None,
     id_keys: Sequence[str],
+    unit_key: str | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """One micro-batch's half (:func:`loss_token_half`)."""
     fields = batch if isinstance(batch, Mapping) else {}
@@ -93,9 +98,14 @@ def _half(
     sequences = packed or _row_sequences(tokens)
     changed: dict[str, Any] = {}
     zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
-    if sequences is not None:  # every other sequence holding loss tokens, whole
+    units = _units(fields.get(unit_key) if unit_key else None, sequences)
+    if unit_key is not None and units is None:  # one unit: its weights alone are halved
+        rank = tokens.reshape(-1).cumsum(0).view(tokens.shape)
+        keep = tokens & (rank.remainder(2) == 1 - which)
+        return batch, torch.where(keep, weights, zero)
+    if sequences is not None:  # every other sequence (unit) holding loss tokens, whole
         index, holding = sequences[0], sequences[1]
-        mine = holding[which::2]
+        mine = holding[which::2] if units is None else [s for s in holding if units[s] == which]
         keep = tokens & torch.isin(index, torch.tensor(mine, device=tokens.device))
         if packed is not None:
             changed = _joined_boundaries(fields, cu_key, id_keys, packed[2], mine)
@@ -108,6 +118,18 @@ def _half(
             changed[mask_key] = mask * 2
     half = torch.where(keep, weights, zero)
     return ({**batch, **changed} if changed else batch), half
+
+
+def _units(ids: Any, sequences: tuple | None) -> dict[int, int] | None:
+    """Each sequence holding loss tokens -> the parity of its unit's place among the units
+    holding loss tokens, where two or more units hold some; else None (the check's own host
+    reads of the ids)."""
+    if sequences is None or not isinstance(ids, torch.Tensor):
+        return None
+    of = ids.reshape(-1).tolist()
+    holding = [s for s in sequences[1] if s < len(of)]
+    places = {u: i for i, u in enumerate(sorted({of[s] for s in holding}))}
+    return {s: places[of[s]] % 2 for s in holding} if len(places) >= 2 else None
 
 
 def _row_sequences(tokens: torch.Tensor) -> tuple | None:

@@ -83,7 +83,7 @@ def choose_plan(
     micro-batch, the halves of the loss tokens are run instead; where they cannot check the
     step either, the check asked for (``explicit``) raises ``ValueError`` on every rank."""
     m = call["num_microbatches"]
-    plan = _agreed_plan(call, model, reads, groups, shards)
+    plan = _agreed_plan(config.reduction, call, model, reads, groups, shards)
     items, problem = _resplit_reads(reads, plan, m, config.loss_mask_key)
     flags = [problem is not None, plan is not None and problem is None, model.held]
     failed, changed, held_any = max_over(flags, model.device, shards.mp, groups.dp_cp).tolist()
@@ -106,19 +106,23 @@ def choose_plan(
 
 
 def _agreed_plan(
+    reduction: str | None,
     call: dict,
     model: CheckedModel,
     reads: list,
     groups: StepGroups,
     shards: ModelParallelGroups,
 ) -> tuple | None:
-    """The re-split every stage of the pipeline agrees on (:func:`resplit_plan`)."""
+    """The re-split every stage of the pipeline agrees on (:func:`resplit_plan`); none where
+    the mode's units (pairs) must stay whole in their micro-batch (the halves cut by unit)."""
     # TP ranks that read data beside ranks that do not: forward_step broadcasts the batch
     # into buffers of the configured shape (get_batch_on_this_tp_rank): shuffle rows only.
     tp_reads = max_over([float(any(reads)), float(not any(reads))], model.device, shards.tp)
     mixed = max_over([float(tp_reads.min() > 0)], model.device, shards.mp, groups.dp_cp)
     m, pp = call["num_microbatches"], group_size(groups.pp)
     group = _group(call, model, groups)
+    if reduction is not None and mode_of(reduction).ids.whole_units:
+        return None
     return resplit_plan(m, call.get("micro_batch_size"), pp, group, bool(mixed[0] > 0))
 
 

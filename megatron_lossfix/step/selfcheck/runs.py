@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.dropout import _DropoutNd
 
+from megatron_lossfix.runtime.modes import mode_of
 from megatron_lossfix.runtime.process_groups import ModelParallelGroups
 from megatron_lossfix.step.agreement import StepRefused
 from megatron_lossfix.step.counting_pass import rng_restored
@@ -123,7 +124,8 @@ def _reruns(
             which,
             mask_key=cfg.loss_mask_key,
             cu_seqlens_key=cfg.cu_seqlens_key,
-            id_keys=(cfg.group_ids_key, cfg.trajectory_ids_key),
+            id_keys=(cfg.group_ids_key, cfg.trajectory_ids_key, cfg.pair_ids_key),
+            unit_key=cfg.pair_ids_key if mode_of(cfg.reduction).ids.whole_units else None,
             only=window if which == 0 else None,
         )
 

@@ -1,0 +1,1 @@
+"""``--stack ms-swift``: ms-swift's Megatron trainers under the audit's layouts (``stack``)."""
