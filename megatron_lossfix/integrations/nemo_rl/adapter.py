@@ -10,7 +10,8 @@ the adapter changes is where a count is not the step's, or not the plugin's:
   ``global_valid_seqs`` is ``sequence_mean``'s S, the sequences with a loss token (NeMo-RL counts
   every sample its ``sample_mask`` keeps, an empty response included). For a preference loss
   (DPO: every pair of rows (chosen, rejected) is one unit, and NeMo-RL divides by
-  ``global_valid_seqs / 2``) it is 2 P, P the pairs with a loss token (the plugin's pair unit).
+  ``global_valid_seqs / 2``) it is 2 P, P the pairs with a loss token (the plugin's
+  ``pair_mean`` unit, counted through its rank-local weights and ``runtime.pairs``).
   The counts ride in one all-reduce over the DP group, after NeMo-RL's own.
 * **The VAPO NLL term** (``ClippedPGLossFn`` with ``positive_example_nll_weight > 0`` and
   ``rewards`` in the batch) is normalized by the correct samples' loss tokens of the micro-batch
@@ -38,6 +39,8 @@ from typing import Any
 
 import torch
 
+from megatron_lossfix.runtime.losses import loss_weights
+from megatron_lossfix.runtime.pairs import pair_weights
 from megatron_lossfix.runtime.weights import count_tokens
 
 __all__ = ["disable", "enable", "enabled", "hook_calls", "is_enabled", "step_counts"]
@@ -82,13 +85,17 @@ def _local_counts(loss_fn: Any, data: Any) -> torch.Tensor:
     counts = count_tokens([mask], global_counts=False)
     units = counts.num_sequences
     if _is_preference(loss_fn):
-        per_row = counts.seq_tokens[0]
-        if per_row.numel() % 2:
+        rows = mask.shape[0]
+        if rows % 2:
             raise ValueError(
                 "a preference batch holds (chosen, rejected) pairs of rows: an odd row count "
-                f"({per_row.numel()}) cannot be paired"
+                f"({rows}) cannot be paired"
             )
-        units = 2 * (per_row.view(-1, 2).sum(dim=1) > 0).sum(dtype=torch.float64)
+        # The plugin's pair unit: rows (2i, 2i + 1) share id i; a pair counts when it holds a
+        # loss token. Local weights (no group): each counted pair weighs 1 / P_local.
+        ids = torch.arange(rows, device=mask.device) // 2
+        local = loss_weights([mask], "pair_mean", pair_ids=[ids], rank_local=True)[0]
+        units = 2 * (pair_weights(local, ids) > 0).sum(dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.float64, device=mask.device)
     if _vapo(loss_fn, data):
         right = (data["rewards"] > 0).to(mask.dtype).unsqueeze(-1)

@@ -57,7 +57,7 @@ MODES: dict[str, StackMode] = {
     "gspo": StackMode(plugin_mode="sequence_mean"),
     "vapo": StackMode(plugin_mode="token_mean"),
     "nll": StackMode(plugin_mode="token_mean"),
-    "dpo": StackMode(plugin_mode="sequence_mean"),
+    "dpo": StackMode(plugin_mode="pair_mean"),
     "distillation": StackMode(plugin_mode="token_mean"),
 }
 assert tuple(MODES) == SETTINGS
