@@ -15,11 +15,12 @@ after the printed unit tier).
   needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
-  SkyRL, slime, AReaL, ROLL, ms-swift: ``STACK_PAGES``) and the commands of
+  SkyRL, slime, AReaL, ROLL, ms-swift, NeMo-RL: ``STACK_PAGES``) and the commands of
   docs/megatron_lm_rl.md (``PAGE_TESTS``), each in the fresh virtualenv its page's install line
   makes, run as the page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
-  which ``.ci/run`` sets: slime is not on the package index; without it its tests skip, and
-  under CI the run stops).
+  NeMo-RL's from ``NEMO_RL_SOURCE``, ``MEGATRON_BRIDGE_SOURCE`` and ``MEGATRON_LM_SOURCE``, which
+  ``.ci/run`` sets: neither is on the package index; without them their tests skip, and under CI
+  the run stops).
 
 * ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone.
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
@@ -137,6 +138,7 @@ STACK_PAGES = (
     "docs/areal.md",
     "docs/roll.md",
     "docs/ms_swift.md",
+    "docs/nemo_rl.md",
 )
 #: Pages besides the stacks' whose commands need an environment of their own: each has one
 #: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack

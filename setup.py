@@ -31,9 +31,10 @@ setup(
     install_requires=[
         "torch>=2.6",
         "packaging",
-        # Proven by the suite on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (noxfile.py); a release outside
-        # this range warns at run time (megatron_compat.warn_if_untested).
-        "megatron-core>=0.16,<0.20",
+        # Proven by the suite on 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (noxfile.py), and on 0.20.0
+        # (Megatron-LM main, not on the index) in the NeMo-RL page's environment (docs/releases.md);
+        # a release outside this range warns at run time (megatron_compat.warn_if_untested).
+        "megatron-core>=0.16,<0.21",
     ],
     extras_require={
         # Test-only tools; the suite runs on CPU with gloo, one pytest-xdist worker per core.
@@ -151,6 +152,32 @@ setup(
         # Engine, which needs CUDA: the adapter's CPU module provides stand-ins
         # (docs/ms_swift.md).
         "ms-swift": ["ms-swift==4.6.0", "mcore-bridge==1.6.5", "msgspec"],
+        # NeMo-RL's Megatron loss path (its policy worker's train(), nemo_rl/models/megatron and
+        # what they import) beside torch and megatron-core, and the build tools that
+        # `python -m megatron_lossfix install-nemo-rl` installs its three sources with (NeMo-RL,
+        # Megatron Bridge, Megatron-LM's megatron/core: none is on the package index at
+        # NeMo-RL's pins; docs/nemo_rl.md). Never Transformer Engine, vLLM or flash-attn.
+        "nemo-rl": [
+            "setuptools>=78.1.1,<80",
+            "wheel",
+            "pydantic",
+            "transformers>=5.8,<5.9",
+            "hydra-core",
+            "omegaconf",
+            "ray",
+            "nvidia-ml-py",
+            "mlflow-skinny",
+            "tensordict",
+            "datasets",
+            "swanlab",
+            "wandb",
+            "pillow",
+            "pyzmq",
+            "matplotlib",
+            "ipython",
+            "tensorboard",
+            "prometheus_client",
+        ],
         # The documentation site: `mkdocs build --strict` (docs/, mkdocs.yml).
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },

@@ -3,6 +3,7 @@
 Commands (in the order ``--help`` lists them):
   audit    run the gradient invariance matrix on this machine (``megatron_lossfix.audit``)
   install-bridge  install Megatron Bridge into this environment (``integrations.bridge.install``)
+  install-nemo-rl  install NeMo-RL from its sources (``integrations.nemo_rl.install``)
   patches  apply, check, revert or list our Megatron-LM patches (``integrations.megatron_lm``)
   rl-replay  replay fixed rollouts through Megatron-LM's train_rl.py; ``compare``: stock against
            the plugin, 1 rank against DP2 (``integrations.megatron_lm.rl_replay``)
@@ -26,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "install Megatron Bridge 0.6.2 into this Python's environment (3.12, megatron-core "
         "0.19; CPU or CUDA); refuses another Python or megatron-core in one line",
         "megatron_lossfix.integrations.bridge.install",
+    ),
+    "install-nemo-rl": (
+        "install NeMo-RL, its Megatron Bridge and Megatron-LM's megatron/core from their "
+        "sources (clones or git archives) into this Python's environment (docs/nemo_rl.md)",
+        "megatron_lossfix.integrations.nemo_rl.install",
     ),
     "patches": (
         "apply, check or revert the Megatron-LM patch that adds --loss-reduction and the "

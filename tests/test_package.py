@@ -211,7 +211,7 @@ def test_the_step_classes_old_address_still_imports_with_a_warning():
 #: Each framework's folder under ``integrations/`` and the module whose names it serves.
 SERVED = {"megatron_lm": "training", "bridge": "adapter", "verl": "adapter", "skyrl": "adapter",
           "slime": "adapter", "areal": "adapter", "roll": "adapter",
-          "ms_swift": "adapter"}  # fmt: skip
+          "ms_swift": "adapter", "nemo_rl": "adapter"}  # fmt: skip
 
 #: Run in a fresh interpreter, so that the folders' packages and their modules are imported here
 #: and nowhere before: the package's attribute is read first (the first read imports the module),

@@ -177,6 +177,11 @@ def test_ci_runs_the_readme_test_command():
             assert cmd == test_cmd, f"a page prints another test command: {cmd}"
 
 
+#: NeMo-RL's page's inputs, and the archives in ../shared/nemo-rl that .ci/run names for them.
+NEMO_RL = ("NEMO_RL_SOURCE", "MEGATRON_BRIDGE_SOURCE", "MEGATRON_LM_SOURCE")
+NEMO_RL_ARCHIVES = ("NeMo-RL-7ea279a", "Megatron-Bridge-8c46dc4", "Megatron-LM-14346b6")
+
+
 def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProcess:
     """``.ci/run`` in a clone at ``tmp_path/clone`` with the Megatron-LM archives beside it (and
     slime's and AReaL's inputs with ``inputs``), stopped where it would install nox: a
@@ -191,6 +196,7 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
             "slime/slime-624b824.tar.gz",
             "areal/areal-tests-4aef98d.tar.gz",
             "roll/ROLL-8eb27cc.tar.gz",
+            *(f"nemo-rl/{name}.tar.gz" for name in NEMO_RL_ARCHIVES),
         ]
     for name in names:
         (shared / name).parent.mkdir(parents=True, exist_ok=True)
@@ -203,7 +209,8 @@ def _ci_run(tmp_path: Path, ci: str, inputs: bool) -> subprocess.CompletedProces
     )
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "CI": ci, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    env = {k: v for k, v in env.items() if k not in ("SLIME_SOURCE", "AREAL_TESTS", "ROLL_SOURCE")}
+    gone = ("SLIME_SOURCE", "AREAL_TESTS", "ROLL_SOURCE", *NEMO_RL)
+    env = {k: v for k, v in env.items() if k not in gone}
     return subprocess.run(["bash", str(clone / ".ci" / "run")], env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
 
@@ -214,9 +221,13 @@ def test_ci_fails_in_one_line_without_slimes_or_areals_input(tmp_path, ci):
     """Under CI a missing input of the stacks' tests fails the run before anything installs,
     naming what is missing; elsewhere the run goes on, saying which tests are left out; with
     the inputs there, it exports them for the tests."""
-    missing = ("SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz) "
-               "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz) "
-               "ROLL_SOURCE (../shared/roll/ROLL-8eb27cc.tar.gz)")  # fmt: skip
+    missing = " ".join(
+        ["SLIME_SOURCE (../shared/slime/slime-624b824.tar.gz)",
+         "AREAL_TESTS (../shared/areal/areal-tests-4aef98d.tar.gz)",
+         "ROLL_SOURCE (../shared/roll/ROLL-8eb27cc.tar.gz)",
+         *(f"{v} (../shared/nemo-rl/{a}.tar.gz)"
+           for v, a in zip(NEMO_RL, NEMO_RL_ARCHIVES, strict=True))]
+    )  # fmt: skip
     run = _ci_run(tmp_path, ci, inputs=False)
     if ci:
         assert run.returncode == 1 and "python3 -m venv" not in run.stdout, run

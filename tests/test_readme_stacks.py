@@ -56,7 +56,7 @@ STACKS = tuple(doc_pages.install_line(page)[0] for page in _nox_stack_pages())
 #: Stacks on the package index, pinned by their extra (slime installs from its source).
 PINNED = ("verl", "skyrl", "ms-swift")
 #: The module a stack installs, where it is not the stack's name.
-MODULES = {"ms-swift": "swift"}
+MODULES = {"ms-swift": "swift", "nemo-rl": "nemo_rl"}
 BRIEF_LAYOUT = "dp2-m3"
 
 

@@ -38,6 +38,9 @@ class AuditReport:
     elapsed_s: float = 0.0
     baselines: tuple[str, ...] = ("off",)
     """Rows allowed to miss: stock Megatron, or a framework as released (``--stack``)."""
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    """``"row@layout"`` -> why that row does not run under that layout (a stack's setting the
+    framework refuses there): not a missing result."""
 
     def add_result(self, mode: str, lay: MatrixLayout, check: dict[str, Any], tol: float) -> None:
         """Record ``mode`` under ``lay`` from the driver's ``check`` (``run_layout``); a check
@@ -83,7 +86,8 @@ class AuditReport:
         measured there. Each one fails the audit, whatever the row (a baseline included)."""
         names = [lay["name"] if isinstance(lay, dict) else lay for lay in self.layouts]
         ran = {(r["mode"], r["layout"]) for r in self.results}
-        return [(m, n) for m in self.modes for n in names if (m, n) not in ran]
+        return [(m, n) for m in self.modes for n in names
+                if (m, n) not in ran and f"{m}@{n}" not in self.not_applicable]  # fmt: skip
 
     @property
     def passed(self) -> bool:
@@ -100,6 +104,7 @@ class AuditReport:
             "failures": self.failures,
             "layout_errors": self.layout_errors,
             "did_not_run": [list(pair) for pair in self.did_not_run],
+            "not_applicable": self.not_applicable,
             "baselines": list(self.baselines),
             "options": self.options,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -258,6 +263,9 @@ def format_table(report: AuditReport) -> str:
         cells, misses, errored = [], 0, 0
         for name, width in zip(names, widths, strict=True):
             err = errors[mode].get(name)
+            if err is None and f"{mode}@{name}" in report.not_applicable:
+                cells.append("-".rjust(width))
+                continue
             if err is None:
                 errored += 1
                 cells.append("error".rjust(width))

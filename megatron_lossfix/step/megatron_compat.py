@@ -1,6 +1,8 @@
 """What Megatron-Core does to a loss, and what differs between its releases, in one place.
 
-Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.12).
+Supported: megatron-core 0.16.x through 0.20.x (0.17 and newer need Python >= 3.12). 0.20.0 is
+Megatron-LM main (NeMo-RL pins it at 14346b6; it is not on the package index): there the
+averaging (``forward_step_calc_loss``, DDP, ``finalize_model_grads``) is 0.19's.
 
 * Averaging (docs/design.md §1): :func:`undo_averaging`, the factor that undoes it for the main
   loss and for MTP (pinned per release by ``tests/test_megatron_averaging.py``);
@@ -9,9 +11,11 @@ Supported: megatron-core 0.16.x through 0.19.x (0.17 and newer need Python >= 3.
   after the schedule would also rescale. Which data-parallel wrappers the step relies on, and
   their ``scale_gradients``: ``megatron_lossfix.step.wrappers``.
 * ``get_batch_on_this_cp_rank``: from 0.18 ``cp_group=None`` means the world group and
-  ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both.
-* ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection``; :func:`schedule_for`
-  passes the sizes every release accepts.
+  ``is_hybrid_cp`` is required; :func:`slice_batch_for_cp` passes both. 0.20 adds the optional
+  ``hybrid_cp_group_func`` and ``use_per_sequence_balancing`` (their defaults are 0.19's slicing).
+* ``get_forward_backward_func``: 0.19 adds ``schedule_pg_collection`` (0.20 types it as a
+  ``MultiModuleProcessGroupCollection``); :func:`schedule_for` passes the sizes every release
+  accepts.
 * Process groups: :func:`resolve_groups` (the step's) and :func:`model_parallel_groups` (the
   model's shards) take them from the call's ``ProcessGroupCollection``, else from
   ``parallel_state``.
@@ -34,8 +38,9 @@ from packaging.version import Version
 
 from megatron_lossfix.runtime.process_groups import ModelParallelGroups, StepGroups, group_size
 
-#: The megatron-core releases the suite proves, as ``(lowest, first untested)``.
-TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.20.0"))
+#: The megatron-core releases the suite proves, as ``(lowest, first untested)``; 0.20.0 in the
+#: NeMo-RL page's environment (docs/releases.md).
+TESTED_RANGE: tuple[Version, Version] = (Version("0.16.0"), Version("0.21.0"))
 
 
 @functools.cache

@@ -49,6 +49,12 @@ def _verl() -> ModuleType:
     return verl
 
 
+def _nemo_rl() -> ModuleType:
+    from megatron_lossfix.audit.stacks.nemo_rl import stack as nemo_rl
+
+    return nemo_rl
+
+
 def _slime() -> ModuleType:
     from megatron_lossfix.audit.stacks.slime import stack as slime
 
@@ -72,6 +78,7 @@ STACKS: dict[str, Callable[[], ModuleType]] = {
     "areal": _areal,
     "roll": _roll,
     "ms-swift": _ms_swift,
+    "nemo-rl": _nemo_rl,
     "skyrl": _skyrl,
     "slime": _slime,
     "verl": _verl,

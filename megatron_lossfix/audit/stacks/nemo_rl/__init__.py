@@ -1,0 +1,1 @@
+"""NeMo-RL: its own Megatron policy worker under the audit's layouts (``--stack nemo-rl``)."""
