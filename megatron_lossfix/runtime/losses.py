@@ -25,8 +25,7 @@ from megatron_lossfix.runtime.prompt_groups import (
     bad_id_message,
     bad_id_values,
     ids_for_mode,
-    missing_group_ids_message,
-    missing_pair_ids_message,
+    missing_ids_message,
     parse_group_ids,
 )
 from megatron_lossfix.runtime.weights import (
@@ -165,10 +164,7 @@ def _group_ids(
         return None
     ids, count, name, count_name = given[wanted]
     rows = [m.shape[0] for m in masks]
-    if count_name is None:
-        missing = missing_pair_ids_message()
-    else:
-        missing = missing_group_ids_message()
+    missing = missing_ids_message(name, count_name)
     return parse_group_ids(wanted, ids, count, masks, rows, (name, str(count_name)), missing)
 
 

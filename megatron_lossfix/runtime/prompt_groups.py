@@ -32,6 +32,7 @@ __all__ = [
     "id_count",
     "ids_for_mode",
     "missing_group_ids_message",
+    "missing_ids_message",
     "missing_pair_ids_message",
     "parse_group_ids",
 ]
@@ -160,6 +161,14 @@ def bad_id_message(groups: GroupIds, k: int) -> str:
         f"{groups.name} of micro-batch {k} must lie in [0, {groups.count}) (the step's id "
         "range); found a negative or out-of-range id"
     )
+
+
+def missing_ids_message(ids_key: str, count_key: str | None) -> str:
+    """The refusal for absent needed ids under ``ids_key`` (pair ids, whose ``count_key`` is
+    None, or group ids with their range ``count_key``)."""
+    if count_key is None:
+        return missing_pair_ids_message(ids_key)
+    return missing_group_ids_message(ids_key, count_key)
 
 
 def missing_pair_ids_message(ids_key: str = "pair_ids") -> str:

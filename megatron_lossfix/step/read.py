@@ -133,10 +133,7 @@ def _group_ids(
         m.shape[0] if num is None else num - 1 for m, (_, num) in zip(masks, segments, strict=True)
     ]
     names = (repr(ids_key), repr(count_key))
-    if count_key is None:
-        missing_message = prompt_groups.missing_pair_ids_message(ids_key)
-    else:
-        missing_message = prompt_groups.missing_group_ids_message(ids_key, count_key)
+    missing_message = prompt_groups.missing_ids_message(ids_key, count_key)
     parsed = prompt_groups.parse_group_ids(
         kind, ids, None if counts is None else counts[0], masks, rows, names, missing_message
     )
