@@ -27,6 +27,8 @@ from megatron_lossfix import (
     weighted_loss,
 )
 from megatron_lossfix.rl.objective import rl_loss
+from megatron_lossfix.runtime.mode_record import Ids
+from megatron_lossfix.runtime.modes import mode_of
 
 CUDA = torch.cuda.is_available()
 VARIANTS = {  # name: (plugin mode, None for stock; calculate_per_token_loss)
@@ -89,6 +91,11 @@ def _lm_loss_report(loss_func, output: torch.Tensor, **_) -> tuple:
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
+def _pairs_of_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """Rows ``2k`` and ``2k + 1`` of a micro-batch are pair ``k``."""
+    return torch.arange(tokens.shape[0], device=tokens.device) // 2
+
+
 def start() -> None:
     """torch.distributed from torchrun's environment (NCCL with GPUs), then Megatron's parallel
     state: data parallelism only."""
@@ -148,7 +155,7 @@ class Bench:
                 **check,
             )
             self.schedules[name] = LossFixSchedule(config)
-        records, self.batches = load_records(None), []
+        records, self.batches, self.paired = load_records(None), [], []
         data = dict(global_batch_size=args.global_batch_size, seq_length=args.seq_length)
         cut = dict(dp_rank=dp_rank, dp_size=dp, micro_batch_size=args.micro_batch_size)
         for i in range(max(args.steps_per_round, args.memory_steps, args.warmup, 1)):
@@ -164,13 +171,17 @@ class Bench:
                 for mb in microbatches(batch, **cut)
             ]
             self.batches.append(mbs)
+            # A mode that weighs preference pairs reads each row's pair: two rows a pair, as a
+            # chosen and a rejected response (a micro-batch of one row: a pair of its own).
+            self.paired.append([mb | {"pair_ids": _pairs_of_rows(mb["tokens"])} for mb in mbs])
 
     def step(self, name: str, workload: str, index: int) -> dict[str, float]:
         """One training step; this rank's seconds: wall time, the schedule call's, and the CPU
         time of this process (less sensitive than wall time to other work on a shared CPU)."""
         mode, per_token = VARIANTS[name]
         (chunks, optimizer), schedule = self.models[per_token], self.schedules[name]
-        mbs, args = self.batches[index % len(self.batches)], self.args
+        pairs = mode is not None and mode_of(mode).ids is Ids.PAIRS
+        mbs, args = (self.paired if pairs else self.batches)[index % len(self.batches)], self.args
         if getattr(schedule, "self_check", None) is not None:
             schedule.self_check.checked = False  # this step is checked as the first one
         sync()
