@@ -72,6 +72,12 @@ SKIPPED: tuple[tuple[str, str], ...] = (
         "the test command itself: CI runs it verbatim (test_ci_runs_the_readme_test_command)",
     ),
     (
+        ".venv/bin/python -m pytest -m unit",
+        "the unit tier: CI runs getting started's line as printed in the quick start's fresh "
+        "clone, where it must pass (noxfile.py, quick_start_step), and the suite runs every "
+        "unit test besides",
+    ),
+    (
         "/path/to/Megatron-LM",
         "needs Megatron-LM sources: tests/test_patches.py runs these patch commands on each "
         "tag's tree where MEGATRON_LM_ARCHIVES is set",
