@@ -15,15 +15,14 @@ after the printed unit tier).
   needs added, what depends on the release (``RELEASE_TESTS``).
 * ``tests-3.12``: Python 3.12 with megatron-core 0.19.2 runs the whole suite; then Megatron
   Bridge's tests (in a virtualenv layered over the suite's, ``layer``) and each stack's (verl,
-  SkyRL, slime, AReaL: ``STACK_PAGES``) and the commands of
+  SkyRL, slime, AReaL, ROLL, ms-swift, NeMo-RL: ``STACK_PAGES``) and the commands of
   docs/megatron_lm_rl.md (``PAGE_TESTS``), each in the fresh virtualenv its page's install line
   makes, run as the page prints it (``page_step``; slime's from the source ``SLIME_SOURCE`` names,
-  NeMo-RL's from ``NEMO_RL_SOURCE``, ``MEGATRON_BRIDGE_SOURCE`` and ``MEGATRON_LM_SOURCE``, which
-  ``.ci/run`` sets: neither is on the package index; without them their tests skip, and under CI
-  the run stops).
+  ROLL's from ``ROLL_SOURCE``, NeMo-RL's from ``NEMO_RL_SOURCE``, ``MEGATRON_BRIDGE_SOURCE`` and
+  ``MEGATRON_LM_SOURCE``, which ``.ci/run`` sets: none is on the package index; without them
+  their tests skip, and under CI the run stops).
 
-* ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone, with the
-  stacks the default run leaves out for now (ROLL, ms-swift, NeMo-RL: ``BY_HAND_STACK_PAGES``).
+* ``stacks`` (not by default): the stack pages' part of ``tests-3.12``, alone.
 * ``older-3.12`` (not by default): megatron-core 0.17.1, then 0.18.2, ``RELEASE_TESTS``.
 
 In the default run (``nox`` alone, as CI runs it) the installs happen beside other work
@@ -31,9 +30,11 @@ In the default run (``nox`` alone, as CI runs it) the installs happen beside oth
 own checks (the 3.12 world's goes on during the 3.11 tests, the stack pages' during the suite),
 and Bridge's layer installs during the suite. The 3.11 world installs, and runs the unit
 tier, on its own. The 3.12 world and the pages' lines each bring torch's CUDA build (5 to 8 GB
-installed): they install one after another, each page's virtualenv sharing the files it has
-in common with those before it (``SHARE_FILES``), so that the run needs about 25 GB of disk
-(docs/development.md).
+installed): they install one after another. The pages' lines install through uv, which unpacks
+a wheel once into its cache and links it into each virtualenv after (pip unpacked torch anew
+for each, 2-3 minutes of CPU each beside the tests), and each page's virtualenv shares the
+files it has in common with those before it (``SHARE_FILES``), so that the run needs about
+25 GB of disk (docs/development.md).
 
 Each world installs ``torch==2.13.0`` as a plain requirement (pip takes what its configuration
 offers for that Python: from PyPI alone the CUDA build, which runs on CPU too), the pinned
@@ -137,13 +138,10 @@ STACK_PAGES = (
     "docs/skyrl.md",
     "docs/slime.md",
     "docs/areal.md",
+    "docs/roll.md",
+    "docs/ms_swift.md",
+    "docs/nemo_rl.md",
 )
-#: The stacks of the newest round (ROLL, ms-swift, NeMo-RL): their pages' lines and tests run in
-#: ``nox -s stacks`` and by hand, not yet in the default run. Each line unpacks torch's CUDA
-#: build once more (2-3 minutes of CPU per page on two cores, beside the suite): with these three
-#: the default run took more than twice its 30 minutes. They join ``STACK_PAGES`` once the
-#: pages' installs share one unpacked torch.
-BY_HAND_STACK_PAGES = ("docs/roll.md", "docs/ms_swift.md", "docs/nemo_rl.md")
 #: Pages besides the stacks' whose commands need an environment of their own: each has one
 #: install line (``python3.12 -m venv .venv-<name> && ...``) that CI runs as printed, as a stack
 #: page's, and there runs these tests with that virtualenv's Python (the suite leaves them out).
@@ -187,15 +185,15 @@ def _pytest(session: nox.Session, *selection: str, python: str = "python") -> No
     session.run(python, *args, external=python != "python")
 
 
-def _stack_pages(by_hand: bool = False) -> list[tuple[str, str, str]]:
-    """``(page, stack, line)`` of each page of ``STACK_PAGES`` and ``PAGE_TESTS`` (and, with
-    ``by_hand``, ``BY_HAND_STACK_PAGES``) whose install line can run here."""
-    return page_lines((*STACK_PAGES, *(BY_HAND_STACK_PAGES if by_hand else ()), *PAGE_TESTS))
+def _stack_pages() -> list[tuple[str, str, str]]:
+    """``(page, stack, line)`` of each page of ``STACK_PAGES`` and ``PAGE_TESTS`` whose install
+    line can run here."""
+    return page_lines((*STACK_PAGES, *PAGE_TESTS))
 
 
-def _page_steps(by_hand: bool = False) -> list[Step]:
+def _page_steps() -> list[Step]:
     """The ``ahead`` step of each page that ``_stack_pages`` gives."""
-    return [page_step(stack, line) for _, stack, line in _stack_pages(by_hand)]
+    return [page_step(stack, line) for _, stack, line in _stack_pages()]
 
 
 def _stack_test_file(stack: str) -> str:
@@ -253,8 +251,7 @@ def tests_312(session: nox.Session) -> None:
         ahead(session, ("bridge-3.12", [(bridge, "-m", "megatron_lossfix", "install-bridge")]))
         if not started("page-"):  # this session alone
             ahead(session, *_page_steps())
-    stack_tests = [_stack_test_file(doc_pages.install_line(page)[0])
-                   for page in (*STACK_PAGES, *BY_HAND_STACK_PAGES)]  # fmt: skip
+    stack_tests = [_stack_test_file(doc_pages.install_line(page)[0]) for page in STACK_PAGES]
     ignore = [t for t in (*stack_tests, *STACK_COMMANDS_TESTS) if os.path.isfile(t)]
     elsewhere = [t for page, _, _ in stacks for t in PAGE_TESTS.get(page, ())]
     _pytest(session, "tests", *(f"--ignore={test}" for test in ignore),
@@ -274,11 +271,10 @@ def tests_312(session: nox.Session) -> None:
 
 @nox.session(python=False, default=False)
 def stacks(session: nox.Session) -> None:
-    """What ``tests-3.12`` does for the stacks after the suite, alone, and the stacks it leaves
-    to this session (``BY_HAND_STACK_PAGES``): each stack page's install line, as printed, in a
-    fresh virtualenv of its own, then the stack's tests there."""
-    pages = _stack_pages(by_hand=True)
-    ahead(session, *_page_steps(by_hand=True))
+    """What ``tests-3.12`` does for the stacks after the suite, alone: each stack page's install
+    line, as printed, in a fresh virtualenv of its own, then the stack's tests there."""
+    pages = _stack_pages()
+    ahead(session, *_page_steps())
     for page, stack, _ in pages:
         collect(session, f"page-{stack}")
         _stack_tests(session, page, stack)

@@ -88,8 +88,8 @@ def test_loss_types_that_couple_pairs_are_refused_in_one_line(loss_type):
 
 @pytest.mark.unit
 def test_ci_runs_the_pages_install_line():
-    """``nox -s stacks`` runs docs/ms_swift.md's install line as printed (``noxfile.py``'s
-    ``BY_HAND_STACK_PAGES``), and the extra pins the release the stack was measured on."""
+    """CI runs docs/ms_swift.md's install line as printed (``noxfile.py``'s ``STACK_PAGES``),
+    and the extra pins the release the stack was measured on."""
     from helpers import doc_pages
 
     stack_name, line = doc_pages.install_line("docs/ms_swift.md")

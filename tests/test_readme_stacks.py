@@ -47,8 +47,8 @@ def _nox_value(name: str) -> object:
 
 
 def _nox_stack_pages() -> tuple[str, ...]:
-    """``noxfile.py``'s ``STACK_PAGES`` and ``BY_HAND_STACK_PAGES`` (``nox -s stacks``)."""
-    return (*_nox_value("STACK_PAGES"), *_nox_value("BY_HAND_STACK_PAGES"))
+    """``noxfile.py``'s ``STACK_PAGES``."""
+    return _nox_value("STACK_PAGES")
 
 
 #: The stacks, as CI knows them: one page each.

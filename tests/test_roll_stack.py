@@ -98,8 +98,7 @@ def test_length_weights_average_one_and_fall_with_length():
 
 @pytest.mark.unit
 def test_ci_runs_the_pages_install_line():
-    """``nox -s stacks`` runs docs/roll.md's install line as printed (``noxfile.py``'s
-    ``BY_HAND_STACK_PAGES``; the
+    """CI runs docs/roll.md's install line as printed (``noxfile.py``'s ``STACK_PAGES``; the
     line itself is read from the page: tests/test_readme_stacks.py), from ROLL's source."""
     from helpers import doc_pages
 
